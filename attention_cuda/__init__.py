@@ -1,0 +1,141 @@
+"""Paged attention: the pure-PyTorch reference (CPU path and test oracle) and, on CUDA, our kernel."""
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each new token's K/V ([num_tokens, num_kv_heads, head_dim]) into the paged cache
+    ([num_blocks, block_size, num_kv_heads, head_dim]) at its slot = block_id * block_size + offset.
+    Slot -1 marks padding and is skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    # Viewing the cache as [num_slots, heads, dim] turns the slot into a plain row index.
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The first max_len cached tokens of each lane, in order: [num_seqs, max_len, kv_heads, dim].
+    Unused block-table entries must point at a real block (0 is fine); the caller masks them."""
+    num_blocks = (max_len + cache.shape[1] - 1) // cache.shape[1]
+    kv = cache[block_tables[:, :num_blocks]]  # [seqs, blocks, block_size, heads, dim]
+    return kv.flatten(1, 2)[:, :max_len]
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention, one query token per lane: query [num_seqs, num_heads, head_dim] attends
+    to its lane's first context_lens[i] cached tokens (its own included). Returns query's shape."""
+    return paged_attention_varlen(query, k_cache, v_cache, block_tables, context_lens,
+                                  torch.arange(query.shape[0] + 1, dtype=torch.int32), scale)
+
+
+def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention for a flattened batch of lanes. Lane i owns query rows
+    query_start_loc[i]:query_start_loc[i+1] ([total_tokens, num_heads, head_dim]); they are the
+    last q_len of its context_lens[i] tokens, so row j sits at position context_len - q_len + j
+    and sees keys 0..that position, through the lane's block table and nothing else."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    ctx = context_lens.tolist()
+    out = torch.empty_like(query)
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        # All one-token lanes in one padded batch: pad keys are masked out, and since
+        # the cache is zero-initialised they cannot leak NaN/inf into the weighted sum.
+        idx = torch.tensor(decode)
+        rows = query_start_loc[idx].long()
+        lens = context_lens[idx].to(query.device, torch.long)
+        k = gather_kv(k_cache, block_tables[idx], int(lens.max()))
+        v = gather_kv(v_cache, block_tables[idx], int(lens.max()))
+        mask = torch.arange(k.shape[1], device=query.device) < lens[:, None]  # [seqs, max_len]
+        out[rows] = _sdpa(query[rows].unsqueeze(1), k, v, mask[:, None, None, :], scale).squeeze(1)
+    for i, n in enumerate(q_lens):
+        if n == 1:
+            continue
+        s = int(query_start_loc[i])
+        k = gather_kv(k_cache, block_tables[i:i + 1], ctx[i])
+        v = gather_kv(v_cache, block_tables[i:i + 1], ctx[i])
+        # Query j may see keys up to its own position ctx - n + j.
+        pos = torch.arange(ctx[i] - n, ctx[i], device=query.device)
+        mask = torch.arange(ctx[i], device=query.device)[None, :] <= pos[:, None]
+        out[s:s + n] = _sdpa(query[s:s + n].unsqueeze(0), k, v, mask[None, None], scale).squeeze(0)
+    return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """[seqs, q_len, heads, dim] x [seqs, k_len, kv_heads, dim] -> [seqs, q_len, heads, dim], GQA by
+    repeating each KV head for its group of query heads."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)
+    return o.transpose(1, 2)
+
+
+# --- The CUDA kernel (paged_attention.cu via binding.cpp), for decode lanes on the GPU ---------------
+
+_SOURCES = ["binding.cpp", "paged_attention.cu"]
+_CXX_FLAGS = ["-O3", "-std=c++17"]
+_NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+_ext = None
+
+
+def _kernels():
+    """The compiled kernels: the module setup.py built ahead of time if there is one, else built on
+    first use with ninja into torch's extension cache (TORCH_EXTENSIONS_DIR, default
+    ~/.cache/torch_extensions) for the GPUs present (or TORCH_CUDA_ARCH_LIST); later runs reuse it
+    until the sources or flags change."""
+    global _ext
+    if _ext is None:
+        try:
+            from . import _C as _ext
+        except ImportError:
+            from torch.utils.cpp_extension import load
+            here = os.path.dirname(os.path.abspath(__file__))
+            try:
+                _ext = load("laneserve_attention", [os.path.join(here, s) for s in _SOURCES],
+                            extra_cflags=_CXX_FLAGS, extra_cuda_cflags=_NVCC_FLAGS)
+            except Exception as e:
+                _ext = RuntimeError(  # kept, so that later calls fail at once with the same message
+                    f"could not build the CUDA paged-attention kernel ({type(e).__name__}: {e}). Building "
+                    "needs a CUDA build of torch, the CUDA toolkit (nvcc; CUDA_HOME if not on PATH) of a "
+                    "matching version, a C++ compiler and ninja. The pure-PyTorch path needs none of "
+                    "that and still works: attention_cuda.paged_attention/store_kv, and running on CPU.")
+                _ext.__cause__ = e
+    if isinstance(_ext, Exception):
+        raise _ext
+    return _ext
+
+
+def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new
+    contiguous tensor). head_dim 64 or 128, block_size 8, 16 or 32, float32/float16/bfloat16,
+    block_tables and context_lens int32 on the same GPU; errors otherwise. Runs on the current stream."""
+    with torch.cuda.device(query.device if query.is_cuda else -1):
+        return _kernels().paged_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                          torch.cuda.current_stream().cuda_stream)
+
+
+def cuda_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """store_kv on CUDA tensors, by the kernel (slot_mapping int64, -1 skipped). Current stream."""
+    with torch.cuda.device(key.device if key.is_cuda else -1):
+        _kernels().store_kv(key, value, k_cache, v_cache, slot_mapping, torch.cuda.current_stream().cuda_stream)
+
+
+def cuda_extension():
+    """For setup.py: the kernels as a CUDAExtension `attention_cuda._C` (paths relative to the
+    repository root), which _kernels() then imports instead of building; None without nvcc."""
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+    if CUDA_HOME is None:
+        return None
+    return CUDAExtension("attention_cuda._C", [os.path.join("attention_cuda", s) for s in _SOURCES],
+                         extra_compile_args={"cxx": _CXX_FLAGS, "nvcc": _NVCC_FLAGS})

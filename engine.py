@@ -1,0 +1,265 @@
+"""The step loop: requests in, one scheduled forward pass per step, tokens out."""
+from __future__ import annotations
+
+import random
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+import weights
+from kv_cache import BlockManager, KVCache, kv_bytes_per_block
+from model import BatchMeta, Transformer
+from scheduler import Scheduler, SchedulerConfig, Sequence, Status
+from tokenizer import IncrementalDetokenizer, load_tokenizer
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0            # 0 = off
+    min_p: float = 0.0
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [(self.temperature >= 0, "temperature must be >= 0"),
+                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+                  (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
+                  (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+                  (self.max_tokens >= 1, "max_tokens must be >= 1")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass
+class EngineConfig:
+    model: str = weights.DEFAULT_MODEL
+    model_path: str | None = None
+    dummy_weights: bool = False
+    device: str = "auto"            # cuda when available, else cpu
+    dtype: str = "auto"             # bfloat16 on cuda, float32 on cpu
+    seed: int = 0
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    scheduling: str = "continuous"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact pool size; else sized from memory below
+    kv_cache_memory: float = 2.0      # GiB of KV pool on cpu
+    gpu_memory_utilization: float = 0.9
+    trace: bool = False               # keep a per-step lane trace (tests, teaching)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta: str          # text released by this step
+    finished: bool
+    finish_reason: str | None  # "stop" or "length", as in OpenAI's API
+
+
+@dataclass
+class LaneStep:
+    """One lane in one step of the trace; kv_tokens counts prompt + generated tokens."""
+    request_id: str
+    num_new_tokens: int
+    num_generated: int
+    kv_tokens: int
+    finished: bool
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = c = config or EngineConfig(**kwargs)
+        self.device = torch.device(c.device if c.device != "auto" else
+                                   "cuda" if torch.cuda.is_available() else "cpu")
+        default = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
+        if c.dummy_weights:
+            self.model_config = weights.PRESETS[c.model]
+            path = None
+            state = weights.dummy_weights(self.model_config, self.dtype, c.seed)
+        else:
+            path = weights.resolve_checkpoint(c.model, c.model_path)
+            print(f"loading {path}", file=sys.stderr)
+            self.model_config, state = weights.load_weights(path, self.dtype)
+        self.tokenizer = load_tokenizer(path or weights.resolve_checkpoint())
+        self.max_model_len = c.max_model_len or self.model_config.max_position_embeddings
+        self.model = Transformer(self.model_config, self.max_model_len, self.device)
+        self.model.load_hf_state_dict(state)
+
+        per_block = kv_bytes_per_block(self.model_config, c.block_size, self.dtype)
+        if c.num_kv_blocks is not None:
+            num_blocks = c.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            num_blocks = int(free - total * (1 - c.gpu_memory_utilization)) // per_block
+        else:
+            num_blocks = int(c.kv_cache_memory * 2**30) // per_block
+        self.kv_cache = KVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, c.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
+                                                   c.enable_chunked_prefill, c.scheduling),
+                                   self.block_manager)
+        self.requests: dict[str, Sequence] = {}
+        self.rng = random.Random(c.seed)
+        self.trace: list[list[LaneStep]] = []
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; it joins the running batch at the next step with room for it."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        blocks = -(-(len(ids) + params.max_tokens) // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {blocks} KV blocks; the pool has only "
+                             f"{self.block_manager.num_blocks}")
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt ({len(ids)} tokens) exceeds max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) with chunked prefill off")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        seq = Sequence(request_id, ids, params)
+        seq.generator = torch.Generator(self.device).manual_seed(
+            params.seed if params.seed is not None else self.rng.getrandbits(63))
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """schedule -> build batch tensors -> forward -> sample -> update. Returns an output for
+        every lane that produced a token this step."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        input_ids, positions, slots, block_tables, context_lens, starts = [], [], [], [], [], [0]
+        sample_rows, sampled = [], []
+        for seq, n in scheduled:
+            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[begin:end]
+            positions += range(begin, end)
+            slots += self.block_manager.slots(seq.block_table, begin, end)
+            block_tables.append(seq.block_table)
+            context_lens.append(end)
+            starts.append(starts[-1] + n)
+            if end == seq.num_tokens:  # the chunk reaches the lane's last token: sample its next one
+                sample_rows.append(starts[-1] - 1)
+                sampled.append(seq)
+        width = max(len(t) for t in block_tables)
+        dev = self.device
+        meta = BatchMeta(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                                      dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev))
+        logits = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                            meta, self.kv_cache.layers)
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        outputs = []
+        for seq, token in zip(sampled, sample(logits, [s.params for s in sampled],
+                                              [s.generator for s in sampled])):
+            outputs.append(self._append_token(seq, token))
+        if self.config.trace:
+            self.trace.append([LaneStep(s.request_id, n, s.num_tokens - s.num_prompt_tokens, s.num_tokens,
+                                        s.status is Status.FINISHED) for s, n in scheduled])
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        p = seq.params
+        delta = ""
+        reason = None
+        if token in p.stop_token_ids or (token in self.tokenizer.stop_token_ids and not p.ignore_eos):
+            reason = "stop"
+        elif token not in self.tokenizer.stop_token_ids:
+            delta = seq.detokenizer.feed(token)
+            if seq.detokenizer.stopped:
+                reason = "stop"
+        if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if reason == "length":
+                delta += seq.detokenizer.flush()
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
+                             seq.detokenizer.text, delta, reason is not None, reason)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """Next token per row: greedy rows by one batched argmax, sampled rows each from their own
+    generator so that a seeded request draws the same numbers whatever batch it is in."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p.temperature == 0:
+            continue
+        row = logits[i] / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = row.softmax(-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
+        if p.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            # Drop a token once the mass before it already reaches top_p; the first always stays.
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
+        tokens[i] = int(torch.multinomial(probs, 1, generator=g))
+    return tokens
+
+
+class LLM(Engine):
+    """Offline use: generate() and chat() run every request to completion, batched continuously."""
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.tokenizer.apply_chat_template(m) for m in conversations], sampling_params)

@@ -1,0 +1,163 @@
+"""The network: a Llama-family decoder that runs one flattened batch of lanes over the paged KV cache."""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attention_cuda
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3.1 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+
+
+
+@dataclass
+class BatchMeta:
+    """Where each flattened token of one step lives. Lane i owns token rows
+    query_start_loc[i]:query_start_loc[i+1]; context_lens[i] counts its cached tokens after this step."""
+    slot_mapping: torch.Tensor     # [num_tokens] int64, physical KV slot per new token, -1 = padding
+    block_tables: torch.Tensor     # [num_lanes, max_blocks] int32, unused entries 0
+    context_lens: torch.Tensor     # [num_lanes] int32
+    query_start_loc: torch.Tensor  # [num_lanes + 1] int32
+    sample_rows: torch.Tensor      # [num_sampled] int64, rows whose logits are needed this step
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama 3.1's rescaling: long wavelengths are slowed by
+    `factor`, short ones kept, and the band between is interpolated smoothly."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = config.rope_scaling
+    if not s:
+        return inv_freq
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen = old_ctx / s["low_freq_factor"]
+    high_wavelen = old_ctx / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    smooth = (old_ctx / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout: the pairs are (i, i + head_dim/2)). x: [tokens, heads, dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 whatever the model dtype, as the reference implementation does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    # A placeholder on the meta device: it costs no memory until the checkpoint's tensor replaces it.
+    return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+
+
+class Block(nn.Module):
+    """One decoder layer. Q, K and V share one matmul, as do the MLP's gate and up projections."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.attn_norm = _weight(c.hidden_size)
+        self.qkv = _weight(q + 2 * kv, c.hidden_size)
+        self.o = _weight(c.hidden_size, q)
+        self.mlp_norm = _weight(c.hidden_size)
+        self.gate_up = _weight(2 * c.intermediate_size, c.hidden_size)
+        self.down = _weight(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        n = x.shape[0]
+        q, k, v = F.linear(rms_norm(x, self.attn_norm, c.rms_norm_eps), self.qkv).split(
+            [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+             c.num_key_value_heads * c.head_dim], dim=-1)
+        q = apply_rope(q.view(n, -1, c.head_dim), cos, sin)
+        k = apply_rope(k.view(n, -1, c.head_dim), cos, sin)
+        attention_cuda.store_kv(k, v.view(n, -1, c.head_dim), k_cache, v_cache, meta.slot_mapping)
+        o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables,
+                                                  meta.context_lens, meta.query_start_loc,
+                                                  1.0 / math.sqrt(c.head_dim))
+        x = x + F.linear(o.reshape(n, -1), self.o)
+        gate, up = F.linear(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, max_model_len: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = config
+        self.embed = _weight(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = _weight(config.hidden_size)
+        self.lm_head = self.embed if config.tie_word_embeddings else _weight(config.vocab_size, config.hidden_size)
+        freqs = torch.outer(torch.arange(max_model_len, device=device).float(), rope_inv_freq(config).to(device))
+        freqs = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", freqs.cos(), persistent=False)
+        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Take weights in Hugging Face Llama naming (what weights.py yields), fusing QKV and
+        gate/up, onto the rope tables' device. Consumes sd to keep peak memory at one copy."""
+        device = self.rope_cos.device
+
+        def put(module: nn.Module, attr: str, *names: str) -> None:
+            t = torch.cat([sd.pop(n) for n in names]) if len(names) > 1 else sd.pop(names[0])
+            setattr(module, attr, nn.Parameter(t.to(device), requires_grad=False))
+
+        put(self, "embed", "model.embed_tokens.weight")
+        put(self, "norm", "model.norm.weight")
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+            self.lm_head = self.embed
+        else:
+            put(self, "lm_head", "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(layer, "qkv", *(p + f"self_attn.{w}_proj.weight" for w in "qkv"))
+            put(layer, "o", p + "self_attn.o_proj.weight")
+            put(layer, "gate_up", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(layer, "down", p + "mlp.down_proj.weight")
+            put(layer, "attn_norm", p + "input_layernorm.weight")
+            put(layer, "mlp_norm", p + "post_attention_layernorm.weight")
+        if sd:
+            raise ValueError(f"unexpected weights in checkpoint: {sorted(sd)[:5]}")
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMeta,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns float32 logits for meta.sample_rows only:
+        the LM head is the largest matmul per token and mid-prompt rows never need it."""
+        x = F.embedding(input_ids, self.embed)
+        cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
+        sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, k_cache, v_cache)
+        x = rms_norm(x[meta.sample_rows], self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()

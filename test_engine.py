@@ -1,0 +1,173 @@
+"""The core engine against Hugging Face transformers on the same GGUF, plus the lane rules:
+independence, the continuous-batching trace, and KV blocks returned after every generation."""
+import os
+
+import pytest
+import torch
+
+import weights
+from engine import LLM, SamplingParams
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Name three primary colors."}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "What is 12 times 7?"}, {"role": "assistant", "content": "84."},
+     {"role": "user", "content": "And divided by 4?"}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
+    [{"role": "user", "content": "Explain in one paragraph why the sky is blue, mentioning "
+                                 "Rayleigh scattering, wavelengths and the atmosphere."}],
+    [{"role": "user", "content": "List the planets of the solar system in order from the sun."}],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = weights.resolve_checkpoint()
+    d, f = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # A budget of 32 tokens forces every one of these chat prompts through chunked prefill.
+    return LLM(max_num_batched_tokens=32, num_kv_blocks=256, dtype="float32", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def blocks_returned(request):
+    yield
+    if "llm" in request.fixturenames:
+        engine = request.getfixturevalue("llm")
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert not any(engine.block_manager.ref_counts)
+        assert not engine.has_unfinished()
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    tok, model = hf
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_paris(llm):
+    out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]], GREEDY)[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+
+
+def test_greedy_parity_batched_with_chunked_prefill(llm, hf):
+    prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
+    assert max(map(len, prompts)) > llm.config.max_num_batched_tokens
+    outs = llm.generate(prompts, GREEDY)
+    for ids, out in zip(prompts, outs):
+        ref = hf_greedy(hf, ids, 32)
+        assert out.token_ids == ref, (llm.tokenizer.decode(out.token_ids), hf[0].decode(ref))
+
+
+def test_last_position_logits(llm, hf):
+    from model import BatchMeta
+    for chat in CHATS[:3]:
+        ids = llm.tokenizer.apply_chat_template(chat)
+        table = []
+        llm.block_manager.allocate(table, len(ids))
+        try:
+            meta = BatchMeta(torch.tensor(llm.block_manager.slots(table, 0, len(ids))),
+                             torch.tensor([table], dtype=torch.int32),
+                             torch.tensor([len(ids)], dtype=torch.int32),
+                             torch.tensor([0, len(ids)], dtype=torch.int32),
+                             torch.tensor([len(ids) - 1]))
+            ours = llm.model(torch.tensor(ids), torch.arange(len(ids)), meta, llm.kv_cache.layers)[0]
+        finally:
+            llm.block_manager.free(table)
+        with torch.no_grad():
+            ref = hf[1](torch.tensor([ids])).logits[0, -1]
+        assert (ours - ref).abs().max().item() < 1e-3
+
+
+def test_lanes_independent(llm):
+    prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    for ids, out in zip(prompts, together):
+        alone = llm.generate([ids], params)[0]
+        assert alone.token_ids == out.token_ids
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    prompt = llm.tokenizer.apply_chat_template(CHATS[6])
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24)
+    alone = llm.generate([prompt], seeded)[0]
+    others = [llm.tokenizer.apply_chat_template(c) for c in CHATS[:4]]
+    batch = llm.generate(others + [prompt], [SamplingParams(temperature=1.0, max_tokens=30)] * 4 + [seeded])
+    assert batch[-1].text == alone.text
+    assert llm.generate([prompt], SamplingParams(temperature=0.8, seed=99, max_tokens=24))[0].text != alone.text
+
+
+def test_lane_trace():
+    engine = LLM(num_kv_blocks=16, dtype="float32", device="cpu", trace=True)
+    ignore = dict(temperature=0, ignore_eos=True)
+    engine.add_request([10, 11, 12, 13], SamplingParams(max_tokens=3, **ignore), "A")
+    engine.add_request([20, 21, 22, 23, 24, 25], SamplingParams(max_tokens=5, **ignore), "B")
+    engine.add_request([30, 31], SamplingParams(max_tokens=2, **ignore), "C")
+    while engine.has_unfinished():
+        engine.step()
+    table = [{lane.request_id: (lane.num_generated, lane.kv_tokens, lane.finished) for lane in step}
+             for step in engine.trace]
+    assert table == [
+        {"A": (1, 5, False), "B": (1, 7, False), "C": (1, 3, False)},
+        {"A": (2, 6, False), "B": (2, 8, False), "C": (2, 4, True)},
+        {"A": (3, 7, True), "B": (3, 9, False)},
+        {"B": (4, 10, False)},
+        {"B": (5, 11, True)},
+    ]
+    assert engine.block_manager.num_free_blocks == 16
+
+
+def test_long_prompt_chunked_while_others_decode(llm):
+    short = llm.add_request(llm.tokenizer.apply_chat_template(CHATS[3]),
+                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    llm.step()  # the short request is decoding before the long one arrives
+    long_prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 40}])
+    assert len(long_prompt) > 3 * llm.config.max_num_batched_tokens
+    long = llm.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=4))
+    steps_until_long_first_token = 0
+    short_tokens_meanwhile = 0
+    while True:
+        outs = {o.request_id: o for o in llm.step()}
+        steps_until_long_first_token += 1
+        short_tokens_meanwhile += short in outs
+        if long in outs:
+            break
+    assert steps_until_long_first_token >= 3
+    assert short_tokens_meanwhile == steps_until_long_first_token  # the short lane never stalled
+    while llm.has_unfinished():
+        llm.step()
+
+
+def test_abort_frees_blocks(llm):
+    rid = llm.add_request("Tell me a long story.", SamplingParams(max_tokens=100))
+    llm.step()
+    llm.step()
+    assert llm.block_manager.num_free_blocks < llm.block_manager.num_blocks
+    llm.abort(rid)
+    assert not llm.has_unfinished()
+
+
+def test_bad_requests(llm):
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.add_request([1, 2, 3], SamplingParams(max_tokens=10**6))
+    with pytest.raises(ValueError, match="empty"):
+        llm.add_request([], SamplingParams())

@@ -1,0 +1,343 @@
+"""Text <-> token ids: byte-level BPE run by tiktoken, chat templates, and streaming detokenization."""
+import base64
+import codecs
+import json
+import os
+import re
+from datetime import datetime
+from functools import cached_property
+
+import gguf
+import jinja2
+import numpy as np
+import regex
+import tiktoken
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# GPT-2's pattern after HF's Digits(individual_digits=True) has cut the text at every digit: a digit
+# stands alone, and a whitespace run before a digit ends its chunk, so it stays whole.
+GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# tokenizer.ggml.pre values. 'smollm' gets GPT-2's pattern as in transformers, although llama.cpp and
+# SmolLM2's own tokenizer.json split digits first; the ids differ only for whitespace before a digit.
+# transformers splits every other byte-level GGUF with GPT-2's pattern too; we refuse those rather than guess.
+GGUF_PATTERNS = {"gpt2": GPT2_PATTERN, "smollm": GPT2_PATTERN, "llama3": LLAMA3_PATTERN,
+                 "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN}
+# Meta's tokenizer.model holds only the ordinary tokens; these follow them (Llama 3.1 names).
+LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+                  *(f"<|reserved_special_token_{i}|>" for i in range(2, 247))]
+END_OF_TURN = ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>"]
+
+LLAMA3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's spelling of each byte as a printable character, the alphabet of byte-level vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelling = {b: chr(b) for b in printable}
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + len(spelling) - len(printable))
+    return spelling
+
+
+_UNSPELL = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _token_bytes(token: str) -> bytes:
+    # Added tokens may be written in plain text rather than the byte alphabet; HF decodes them as such.
+    if all(c in _UNSPELL for c in token):
+        return bytes(_UNSPELL[c] for c in token)
+    return token.encode()
+
+
+class Tokenizer:
+    """Byte-level BPE. tiktoken does the splitting and merging; this class owns ids, specials and chat."""
+
+    def __init__(self, vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]] | None, pattern: str,
+                 special: dict[str, int], control: set[int], bos_id: int | None, eos_id: int | None,
+                 add_bos_token: bool = False, chat_template: str | None = None, extra_stops: tuple[int, ...] = ()):
+        """vocab: ordinary tokens; merges: HF's list, or None when vocab is tiktoken ranks (ids) already;
+        special: texts matched whole in the input; control: the ids skip_special_tokens drops."""
+        self._pieces = [b""] * (max([*vocab.values(), *special.values()]) + 1)  # id -> bytes
+        for piece, i in vocab.items():
+            self._pieces[i] = piece
+        for text, i in special.items():
+            self._pieces[i] = _token_bytes(text)
+        self.special = special
+        self._control = control
+        self.vocab_size = len(self._pieces)
+        if eos_id is None:
+            eos_id = next((special[t] for t in END_OF_TURN if t in special), None)
+            if eos_id is None:
+                raise ValueError("the tokenizer names no eos token and has none of " + ", ".join(END_OF_TURN))
+        self.bos_id = bos_id
+        self.eos_id: int = eos_id
+        self.add_bos_token = add_bos_token  # what the checkpoint asks for on plain (non-chat) prompts
+        self.stop_token_ids = {eos_id, *extra_stops, *(special[t] for t in END_OF_TURN if t in special)}
+        if chat_template is None:
+            chat_template = LLAMA3_TEMPLATE if "<|start_header_id|>" in special else CHATML_TEMPLATE
+        self.chat_template = chat_template
+        if merges is None:
+            ranks, rank_to_id = vocab, np.arange(len(vocab), dtype=np.int64)
+        else:
+            ranks, rank_to_id = _merge_ranks(vocab, merges)
+        # tiktoken returns ranks; specials get ranks past the mergeable ones and map back to their ids.
+        self._rank_to_id = np.concatenate([rank_to_id, np.fromiter(special.values(), np.int64, len(special))])
+        self._special_ranks = {t: len(rank_to_id) + i for i, t in enumerate(special)}
+        self._enc = tiktoken.Encoding("laneserve", pat_str=pattern, mergeable_ranks=ranks,
+                                      special_tokens=self._special_ranks)
+        # HF drops a byte its vocabulary lacks (SmolLM has no token for some control characters) after
+        # splitting text into words, then merges across the gap. Texts with such a character take a
+        # slower path that does the same; a missing non-ASCII byte (only in unassigned code points) is
+        # simply dropped.
+        absent = "".join(chr(b) for b in range(128) if rank_to_id[b] < 0)
+        self._absent = re.compile(f"[{re.escape(absent)}]") if absent else None
+        self._words = regex.compile(pattern)
+        longest_first = sorted(special, key=len, reverse=True)
+        self._specials = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if special else None
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if self._absent and self._absent.search(text):
+            ranks = self._encode_dropping_absent(text)
+        else:
+            ranks = self._enc.encode(text, allowed_special="all")
+        ids = self._rank_to_id[ranks]
+        ids = ids[ids >= 0].tolist()
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+
+    def _encode_dropping_absent(self, text: str) -> list[int]:
+        ranks: list[int] = []
+        for i, chunk in enumerate(self._specials.split(text) if self._specials else [text]):
+            if i % 2:
+                ranks.append(self._special_ranks[chunk])
+                continue
+            for word in self._words.finditer(chunk):
+                # Dropping them leaves text that the pattern splits into this same one word again.
+                ranks += self._enc.encode_ordinary(self._absent.sub("", word.group()))
+        return ranks
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        n = self.vocab_size
+        return b"".join(self._pieces[i] for i in ids if 0 <= i < n)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._control]
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        # The environment transformers renders chat templates in, so the same template gives the same text.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
+        tokens = {k: self.decode([i]) for k, i in names.items() if i is not None}
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
+        return self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # transformers tokenizes the rendered chat without adding BOS: templates that want one write it.
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' version: unlike Jinja's own, it does not HTML-escape, which would change the prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _merge_ranks(vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]]) -> tuple[dict[bytes, int], np.ndarray]:
+    """tiktoken ranks for a BPE given as a merges list, and the table from rank to real id.
+
+    tiktoken merges the adjacent pair whose concatenation has the lowest rank; HF merges the pair
+    listed first. Ranking each token by the merge that makes it makes the two agree. All 256 bytes
+    need a rank; one the vocabulary lacks maps to -1.
+    """
+    ranks = {bytes([b]): b for b in range(256)}
+    for left, right in merges:
+        ranks.setdefault(left + right, len(ranks))
+    return ranks, np.array([vocab.get(piece, -1) for piece in ranks], dtype=np.int64)
+
+
+def _from_gguf(path: str) -> Tokenizer:
+    fields = gguf.GGUFReader(path).fields
+
+    def get(key: str, default=None):
+        return fields[key].contents() if key in fields else default
+
+    if get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model {get('tokenizer.ggml.model')!r} is not supported, "
+                         "only byte-level BPE ('gpt2')")
+    pre = get("tokenizer.ggml.pre", "gpt2")
+    if pre not in GGUF_PATTERNS:
+        raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported (known: {sorted(GGUF_PATTERNS)})")
+    tokens = get("tokenizer.ggml.tokens")
+    types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    # 3 is control (<|im_end|>), 4 user-defined (<think>): both are matched whole in text, only control is skipped.
+    special = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)}
+    vocab = {_token_bytes(t): i for i, t in enumerate(tokens) if t not in special}
+    merges = [tuple(_token_bytes(p) for p in m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
+    stops = tuple(i for i in (get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")) if i is not None)
+    return Tokenizer(vocab, merges, GGUF_PATTERNS[pre], special,
+                     {i for i, kind in enumerate(types) if kind == 3}, get("tokenizer.ggml.bos_token_id"),
+                     get("tokenizer.ggml.eos_token_id"), bool(get("tokenizer.ggml.add_bos_token", False)),
+                     get("tokenizer.chat_template"), stops)
+
+
+def _hf_pattern(pre: dict | None) -> str:
+    steps = pre["pretokenizers"] if pre and pre["type"] == "Sequence" else [pre or {"type": None}]
+    kinds = [s["type"] for s in steps]
+    last = steps[-1]
+    if kinds[-1] == "ByteLevel" and not last.get("add_prefix_space", False):
+        if kinds == ["ByteLevel"] and last.get("use_regex", True):
+            return GPT2_PATTERN
+        if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and last.get("use_regex", True):
+            return GPT2_DIGITS_PATTERN
+        split = steps[0]
+        if (kinds == ["Split", "ByteLevel"] and "Regex" in split["pattern"] and split.get("behavior") == "Isolated"
+                and not split.get("invert") and not last.get("use_regex", True)):
+            return split["pattern"]["Regex"]
+    raise ValueError(f"unsupported pre_tokenizer {kinds}: "
+                     "expected ByteLevel, Digits+ByteLevel or Split(Regex)+ByteLevel")
+
+
+def _hf_adds_bos(tokenizer_json: dict, config: dict) -> bool:
+    if "add_bos_token" in config:
+        return bool(config["add_bos_token"])
+    post = tokenizer_json.get("post_processor") or {}
+    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
+    return any(s.get("type") == "TemplateProcessing" and "SpecialToken" in s["single"][0] for s in steps)
+
+
+def _read(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _from_hf(directory: str) -> Tokenizer:
+    tj = json.loads(_read(os.path.join(directory, "tokenizer.json")))
+    config = json.loads(_read(os.path.join(directory, "tokenizer_config.json")) or "{}")
+    model = tj["model"]
+    if model.get("type") != "BPE" or model.get("byte_fallback") or (tj.get("decoder") or {}).get("type") != "ByteLevel":
+        raise ValueError(f"{directory}/tokenizer.json: only byte-level BPE is supported "
+                         f"(model {model.get('type')}, decoder {(tj.get('decoder') or {}).get('type')})")
+    pattern = _hf_pattern(tj.get("pre_tokenizer"))
+    added = tj.get("added_tokens", [])
+    special = {a["content"]: a["id"] for a in added}
+    vocab = {_token_bytes(t): i for t, i in model["vocab"].items() if t not in special}
+    merges = [tuple(_token_bytes(p) for p in (m.split(" ", 1) if isinstance(m, str) else m)) for m in model["merges"]]
+
+    def token_id(key: str) -> int | None:
+        token = config.get(key)
+        return special.get(token["content"] if isinstance(token, dict) else token)
+
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one is for plain chat
+        template = next((t["template"] for t in template if t["name"] == "default"), None)
+    if template is None:  # newer transformers saves it beside the config
+        template = _read(os.path.join(directory, "chat_template.jinja"))
+    return Tokenizer(vocab, merges, pattern, special,
+                     {a["id"] for a in added if a.get("special")}, token_id("bos_token"), token_id("eos_token"),
+                     _hf_adds_bos(tj, config), template)
+
+
+def _from_tiktoken_file(path: str) -> Tokenizer:
+    """Meta's Llama 3 tokenizer.model: one 'base64(token) rank' line per token; ranks are the ids."""
+    vocab: dict[bytes, int] = {}
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    token, rank = line.split()
+                    vocab[base64.b64decode(token, validate=True)] = int(rank)
+    except ValueError as e:
+        raise ValueError(f"{path} is not a tiktoken rank file (SentencePiece models are not supported): {e}") from None
+    special = {t: len(vocab) + i for i, t in enumerate(LLAMA3_SPECIAL)}
+    return Tokenizer(vocab, None, LLAMA3_PATTERN, special, set(special.values()),
+                     special["<|begin_of_text|>"], special["<|end_of_text|>"], add_bos_token=True)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Tokenizer from a .gguf file, an HF directory (tokenizer.json) or a Meta Llama 3 directory (tokenizer.model)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return _from_gguf(path)
+        raise ValueError(f"{path}: expected a .gguf file or a directory")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no tokenizer at {path}")
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return _from_hf(path)
+    if os.path.exists(os.path.join(path, "tokenizer.model")):
+        return _from_tiktoken_file(os.path.join(path, "tokenizer.model"))
+    raise FileNotFoundError(f"{path} has neither tokenizer.json (Hugging Face) nor tokenizer.model (Meta Llama 3)")
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out as soon as it is final: whole UTF-8 characters only, and never a tail
+    that could still turn out to begin a stop string (that text must not reach the client)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop or [] if s]
+        self.stopped = False
+        self.text = ""
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a split character's bytes
+        self._held = ""
+        self._max_hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def feed(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(self.tokenizer.decode_bytes([token_id]))
+        # Released text never holds a stop string's start, so a stop string can only begin in the held text.
+        hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._release(min(hits))
+        return self._release(len(self._held) - self._stop_prefix_len())
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(b"", final=True)
+        return self._release(len(self._held))
+
+    def _stop_prefix_len(self) -> int:
+        for n in range(min(len(self._held), self._max_hold), 0, -1):
+            tail = self._held[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def _release(self, n: int) -> str:
+        out, self._held = self._held[:n], self._held[n:]
+        self.text += out
+        return out

