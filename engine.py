@@ -15,6 +15,12 @@ from scheduler import Scheduler, SchedulerConfig, Sequence, Status
 from tokenizer import IncrementalDetokenizer, load_tokenizer
 
 
+def _require(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -26,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # ... and this times how often it was generated
+    logprobs: int | None = None     # None: off; k: the chosen token's logprob and the top k
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,10 +43,11 @@ class SamplingParams:
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                   (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
                   (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-                  (self.max_tokens >= 1, "max_tokens must be >= 1")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+                  (self.max_tokens >= 1, "max_tokens must be >= 1"),
+                  (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+                  (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")]
+        _require(checks)
 
 
 @dataclass
@@ -53,11 +63,44 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     scheduling: str = "continuous"
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0           # GiB of host memory for swapped-out KV
+    enable_prefix_caching: bool = False
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; else sized from memory below
     kv_cache_memory: float = 2.0      # GiB of KV pool on cpu
     gpu_memory_utilization: float = 0.9
     trace: bool = False               # keep a per-step lane trace (tests, teaching)
+
+    def validate(self) -> None:
+        """Refuse impossible settings at startup, with a message naming the knob."""
+        checks = [
+            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= self.block_size,
+             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least one block "
+             f"({self.block_size} tokens)"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
+            (self.kv_cache_memory > 0, "kv_cache_memory must be > 0"),
+            (self.swap_space >= 0, "swap_space must be >= 0"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+            (self.scheduling in ("continuous", "static"), "scheduling must be 'continuous' or 'static'"),
+            (self.preemption_mode in ("recompute", "swap"), "preemption_mode must be 'recompute' or 'swap'"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"unknown device {self.device!r}"),
+            (self.dtype in ("auto", "float32", "float16", "bfloat16"),
+             "dtype must be auto, float32, float16 or bfloat16"),
+        ]
+        _require(checks)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
 
 
 @dataclass
@@ -69,6 +112,8 @@ class RequestOutput:
     delta: str          # text released by this step
     finished: bool
     finish_reason: str | None  # "stop" or "length", as in OpenAI's API
+    logprob: TokenLogprob | None = None  # of the token this step produced, when asked for
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -84,20 +129,27 @@ class LaneStep:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = c = config or EngineConfig(**kwargs)
+        c.validate()
         self.device = torch.device(c.device if c.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
         default = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
         if c.dummy_weights:
+            if c.model not in weights.PRESETS:
+                raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
             self.model_config = weights.PRESETS[c.model]
-            path = None
-            state = weights.dummy_weights(self.model_config, self.dtype, c.seed)
+            self.checkpoint_path = None
+            state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device)
         else:
-            path = weights.resolve_checkpoint(c.model, c.model_path)
-            print(f"loading {path}", file=sys.stderr)
-            self.model_config, state = weights.load_weights(path, self.dtype)
-        self.tokenizer = load_tokenizer(path or weights.resolve_checkpoint())
+            self.checkpoint_path = weights.resolve_checkpoint(c.model, c.model_path)
+            print(f"loading {self.checkpoint_path}", file=sys.stderr)
+            self.model_config, state = weights.load_weights(self.checkpoint_path, self.dtype)
+        # Random weights borrow the default model's tokenizer: ids past its vocabulary decode to nothing.
+        self.tokenizer = load_tokenizer(self.checkpoint_path or weights.resolve_checkpoint())
         self.max_model_len = c.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
+                             f"{self.model_config.max_position_embeddings}")
         self.model = Transformer(self.model_config, self.max_model_len, self.device)
         self.model.load_hf_state_dict(state)
 
@@ -109,14 +161,27 @@ class Engine:
             num_blocks = int(free - total * (1 - c.gpu_memory_utilization)) // per_block
         else:
             num_blocks = int(c.kv_cache_memory * 2**30) // per_block
-        self.kv_cache = KVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, c.block_size)
+        num_swap_blocks = int(c.swap_space * 2**30) // per_block if c.preemption_mode == "swap" else 0
+        self.kv_cache = KVCache(self.model_config, num_blocks, c.block_size, self.dtype, self.device,
+                                num_swap_blocks)
+        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
-                                                   c.enable_chunked_prefill, c.scheduling),
-                                   self.block_manager)
+                                                   c.enable_chunked_prefill, c.scheduling, c.preemption_mode),
+                                   self.block_manager, BlockManager(num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}
         self.rng = random.Random(c.seed)
         self.trace: list[list[LaneStep]] = []
+        self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
+        self.num_prompt_tokens = 0      # prompt tokens run through the model (cache hits excluded)
+        self.num_generation_tokens = 0
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for the server's /metrics."""
+        s, bm = self.scheduler, self.block_manager
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
+                "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks, "num_preemptions": s.num_preemptions,
+                "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
+                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -125,6 +190,8 @@ class Engine:
         ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
@@ -152,12 +219,14 @@ class Engine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.held)
 
     def step(self) -> list[RequestOutput]:
         """schedule -> build batch tensors -> forward -> sample -> update. Returns an output for
         every lane that produced a token this step."""
-        scheduled = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        self.kv_cache.swap(plan.swap_out, plan.swap_in)
+        scheduled = plan.scheduled
         if not scheduled:
             return []
         input_ids, positions, slots, block_tables, context_lens, starts = [], [], [], [], [], [0]
@@ -185,18 +254,29 @@ class Engine:
         logits = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
                             meta, self.kv_cache.layers)
         for seq, n in scheduled:
+            begin = seq.num_computed_tokens
+            self.num_prompt_tokens += max(0, min(begin + n, seq.num_prompt_tokens) - begin)
+            self.block_manager.publish(seq.block_table, seq.token_ids, begin, begin + n)
             seq.num_computed_tokens += n
         outputs = []
-        for seq, token in zip(sampled, sample(logits, [s.params for s in sampled],
-                                              [s.generator for s in sampled])):
-            outputs.append(self._append_token(seq, token))
+        tokens, logprobs = sample(logits, sampled)
+        for seq, token, logprob in zip(sampled, tokens, logprobs):
+            outputs.append(self._append_token(seq, token, logprob))
         if self.config.trace:
             self.trace.append([LaneStep(s.request_id, n, s.num_tokens - s.num_prompt_tokens, s.num_tokens,
                                         s.status is Status.FINISHED) for s, n in scheduled])
+        if self.config.scheduling == "static":
+            # Request-level batching answers a batch all at once: a finished lane's result waits
+            # (its slot idle) until the batch's longest lane is done.
+            self.held += [o for o in outputs if o.finished]
+            outputs = [o for o in outputs if not o.finished]
+            if not self.scheduler.running:
+                outputs, self.held = outputs + self.held, []
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
+        self.num_generation_tokens += 1
         p = seq.params
         delta = ""
         reason = None
@@ -215,14 +295,22 @@ class Engine:
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
-                             seq.detokenizer.text, delta, reason is not None, reason)
+                             seq.detokenizer.text, delta, reason is not None, reason, logprob,
+                             seq.num_cached_tokens)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """Next token per row: greedy rows by one batched argmax, sampled rows each from their own
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Next token per lane: greedy rows by one batched argmax, sampled rows each from their own
     generator so that a seeded request draws the same numbers whatever batch it is in."""
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.presence_penalty or p.frequency_penalty:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     tokens = logits.argmax(dim=-1).tolist()
-    for i, (p, g) in enumerate(zip(params, generators)):
+    for i, seq in enumerate(seqs):
+        p, g = seq.params, seq.generator
         if p.temperature == 0:
             continue
         row = logits[i] / p.temperature
@@ -238,7 +326,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
             probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
         tokens[i] = int(torch.multinomial(probs, 1, generator=g))
-    return tokens
+    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    for i, seq in enumerate(seqs):
+        k = seq.params.logprobs
+        if k is not None:
+            # Reported from the model's distribution (after penalties, before temperature), as vLLM does.
+            lp = logits[i].log_softmax(-1)
+            top = lp.topk(k) if k else None
+            logprobs[i] = TokenLogprob(tokens[i], float(lp[tokens[i]]),
+                                       list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
+    return tokens, logprobs
 
 
 class LLM(Engine):

@@ -1,9 +1,10 @@
-"""Paged KV memory: physical K/V blocks per layer, the block pool, and each lane's block table.
+"""Paged KV memory: physical K/V blocks per layer, the block pool, each lane's block table,
+the opt-in prefix cache, and swap space on the host.
 
 A lane's token at position p lives in block block_table[p // block_size], row p % block_size:
 physical slot = block_id * block_size + p % block_size. Blocks are handed out when a lane
-first needs them and all return to the pool the moment the lane finishes."""
-from collections import deque
+first needs them and return to the pool the moment the lane finishes."""
+from collections import OrderedDict
 
 import torch
 
@@ -17,26 +18,52 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 class KVCache:
-    """The physical tensors: per layer, k and v of shape [num_blocks, block_size, kv_heads, head_dim].
-    Zero-initialised so that masked-out padding reads in attention are finite."""
+    """The physical tensors: per layer, k and v of shape [num_blocks, block_size, kv_heads, head_dim],
+    plus the same layout on the host for swapped-out lanes. Zero-initialised so that masked-out
+    padding reads in attention are finite."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, num_swap_blocks: int = 0):
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                         torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(config.num_hidden_layers)]
+        host = (num_swap_blocks, *shape[1:])
+        pin = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
+        self.host = [(torch.zeros(host, dtype=dtype, pin_memory=pin), torch.zeros(host, dtype=dtype, pin_memory=pin))
+                     for _ in range(config.num_hidden_layers)] if num_swap_blocks else []
+
+    def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
+        """Copy (device block -> host block) pairs out, then (host block -> device block) pairs in.
+        Out goes first: a device block freed by a swap-out may be the target of a swap-in."""
+        for pairs, to_host in ((out, True), (back, False)):
+            if not pairs:
+                continue
+            src, dst = (torch.tensor(p) for p in zip(*pairs))
+            for dev_kv, host_kv in zip(self.layers, self.host):
+                for d, h in zip(dev_kv, host_kv):
+                    if to_host:
+                        h[dst] = d[src.to(d.device)].to("cpu")
+                    else:
+                        d[dst.to(d.device)] = h[src].to(d.device, non_blocking=True)
 
 
 class BlockManager:
-    """The pool of block ids with a free list and reference counts (a block shared by several
-    lanes through prefix caching is freed only when its last user lets go)."""
+    """A pool of block ids: an LRU-ordered free list and reference counts. With prefix caching,
+    every full block is published under a hash chain, h_i = hash((h_{i-1}, tokens of block i)),
+    so a block's key names its whole prefix. A new lane whose prompt starts with the same blocks
+    shares them (ref count + 1) instead of recomputing them. Freed blocks keep their content and key
+    until the pool hands them out again, oldest-freed first. (Keys are 64-bit hashes; a collision,
+    vanishingly unlikely, would share a wrong block.)"""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # chain hash -> block
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,18 +79,56 @@ class BlockManager:
     def allocate(self, block_table: list[int], num_tokens: int) -> None:
         """Grow block_table in place to cover num_tokens (caller checked can_allocate)."""
         for _ in range(self.blocks_needed(block_table, num_tokens)):
-            block = self.free_blocks.popleft()
+            block, _ = self.free_blocks.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None:  # reusing the least recently freed block evicts its cached prefix
+                self.block_hash[block] = None
+                if self.cached.get(h) == block:
+                    del self.cached[h]
             self.ref_counts[block] = 1
             block_table.append(block)
 
     def free(self, block_table: list[int]) -> None:
+        # Tail blocks first, so they are evicted before the prefix blocks more lanes can share.
         for block in reversed(block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
         block_table.clear()
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Physical slots of positions start..end-1 of the lane owning block_table."""
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def match_prefix(self, block_table: list[int], token_ids: list[int]) -> int:
+        """Share the cached full blocks that start token_ids into an empty block_table; returns
+        how many tokens they cover. The block holding the last token is never shared: that token
+        is always computed, for its logits, and a lane must never write into a shared block."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs, h = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            block_table.append(block)
+        return len(block_table) * bs
+
+    def publish(self, block_table: list[int], token_ids: list[int], start: int, end: int) -> None:
+        """Key the blocks that computing tokens start..end-1 has just filled."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(start // bs, end // bs):
+            block = block_table[i]
+            parent = self.block_hash[block_table[i - 1]] if i else None
+            if self.block_hash[block] is not None or (i and parent is None):
+                continue  # already keyed (shared), or its prefix is unknown (swapped back in)
+            h = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            self.block_hash[block] = h
+            self.cached.setdefault(h, block)  # a twin computed by another lane keeps the entry

@@ -33,6 +33,8 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))
@@ -64,85 +66,146 @@ class SchedulerConfig:
     # "continuous": the batch is rebuilt every step. "static": a new batch is admitted only once
     # every lane of the previous one has finished (request-level batching, for comparison).
     scheduling: str = "continuous"
+    # When a running lane needs a block and none is free, the most recently arrived lane is
+    # preempted: "recompute" drops its KV, "swap" copies it to host memory (recompute if full).
+    preemption_mode: str = "recompute"
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]]  # lanes and how many new tokens each computes
+    swap_out: list[tuple[int, int]]        # (device block, host block) copies to make first
+    swap_in: list[tuple[int, int]]         # (host block, device block)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, swap_space: BlockManager):
         self.config = config
-        self.blocks = block_manager
+        self.blocks = blocks
+        self.swap_space = swap_space
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0     # ... and served from it
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """This step's lanes and how many new tokens each computes. Running lanes go first
-        (decodes, then unfinished prefills), then waiting requests in arrival order, while
-        the token budget, max_num_seqs and free KV blocks allow."""
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
+    def schedule(self) -> SchedulerOutput:
+        """This step's lanes. Running lanes go first (decodes, then unfinished prefills), then
+        swapped-out lanes come back, and only then are waiting requests admitted in arrival
+        order, while the token budget, max_num_seqs and free KV blocks allow."""
+        out = SchedulerOutput([], [], [])
+        self.budget = self.config.max_num_batched_tokens
+        preemptions = self.num_preemptions
+        if self.config.scheduling == "static" and not self.running and not self.swapped:
+            self._admit_static_batch()
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.arrival)):
-            if budget == 0:
+            if self.budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted below to make room for an earlier lane
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n, scheduled):
-                continue
-            scheduled.append((seq, n))
-            budget -= n
-        admit = not self.running or self.config.scheduling == "continuous"
-        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget and not self.config.enable_chunked_prefill:
+            if seq.status is Status.RUNNING:  # not preempted meanwhile to make room for an earlier lane
+                self._reserve(seq, out)
+        while self.swapped and self.budget and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
+            if not self.blocks.can_allocate([], seq.num_computed_tokens + n):
                 break
-            n = min(n, budget)
-            if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
+            self.swapped.popleft()
+            self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
+            out.swap_in += zip(seq.swap_table, seq.block_table)
+            self.swap_space.free(seq.swap_table)
+            self._run(seq, n, out)
+        # No admissions in a step that had to preempt: the pool is full, and a lane admitted now
+        # would only be preempted again next step.
+        while (self.config.scheduling == "continuous" and not self.swapped and self.waiting
+               and preemptions == self.num_preemptions
+               and self.budget and len(self.running) < self.config.max_num_seqs):
+            if not self._admit(self.waiting[0], out):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            scheduled.append((seq, n))
-            budget -= n
-        return scheduled
+        return out
 
-    def _reserve(self, seq: Sequence, n: int, scheduled: list[tuple[Sequence, int]]) -> bool:
-        """Grow seq's blocks for n more tokens, preempting the most recently arrived running lanes
-        not already scheduled this step while none are free. False if seq itself was preempted."""
-        need = seq.num_computed_tokens + n
-        taken = {id(s) for s, _ in scheduled}
-        while not self.blocks.can_allocate(seq.block_table, need):
-            victim = max((s for s in self.running if id(s) not in taken), key=lambda s: s.arrival)
-            self.preempt(victim)
-            if victim is seq:
-                return False
-        self.blocks.allocate(seq.block_table, need)
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Start a waiting lane: share what the prefix cache holds, then compute as much of the
+        rest as the budget allows. False (and nothing held) if it does not fit."""
+        cached = self.blocks.match_prefix(seq.block_table, seq.token_ids)
+        n = seq.num_tokens - cached
+        if n > self.budget and not self.config.enable_chunked_prefill:
+            n = 0
+        n = min(n, self.budget)
+        if n == 0 or not self.blocks.can_allocate(seq.block_table, cached + n):
+            self.blocks.free(seq.block_table)
+            return False
+        if self.blocks.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        self.blocks.allocate(seq.block_table, cached + n)
+        self._run(seq, n, out)
         return True
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the lane's KV and requeue it ahead of new arrivals. Its
-        generated tokens stay in token_ids, so its next prefill recomputes them as prompt."""
+    def _admit_static_batch(self) -> None:
+        """Static mode: the next batch is the first max_num_seqs waiting requests whose prompts
+        fit in KV; their prefills then run in chunks like any running lane's."""
+        free = self.blocks.num_free_blocks
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            need = self.blocks.blocks_needed([], self.waiting[0].num_tokens)
+            if need > free:
+                break
+            free -= need
+            seq = self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+
+    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        if seq.status is not Status.RUNNING:
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        out.scheduled.append((seq, n))
+        self.budget -= n
+
+    def _reserve(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Schedule running lane seq, preempting the most recently arrived running lanes not yet
+        scheduled this step while no block is free for it (possibly seq itself)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
+        need = seq.num_computed_tokens + n
+        taken = {id(s) for s, _ in out.scheduled}
+        while not self.blocks.can_allocate(seq.block_table, need):
+            victim = max((s for s in self.running if id(s) not in taken), key=lambda s: s.arrival)
+            self.preempt(victim, out)
+            if victim is seq:
+                return
+        self.blocks.allocate(seq.block_table, need)
+        self._run(seq, n, out)
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.swap_space.can_allocate([], seq.num_computed_tokens):
+            self.swap_space.allocate(seq.swap_table, seq.num_computed_tokens)
+            out.swap_out += zip(seq.block_table, seq.swap_table)
+            self.blocks.free(seq.block_table)
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+            return
+        # Recompute: drop the KV and requeue ahead of new arrivals. The generated tokens stay in
+        # token_ids, so the next prefill recomputes them as if they were prompt.
         self.blocks.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         # Earlier-arrived lanes are preempted later, so they end up in front: arrival order holds.
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a lane (finished or aborted): its slot and KV blocks are free at once."""
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+        {Status.RUNNING: self.running, Status.WAITING: self.waiting,
+         Status.SWAPPED: self.swapped}.get(seq.status, []).remove(seq)
         self.blocks.free(seq.block_table)
+        self.swap_space.free(seq.swap_table)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -1,5 +1,20 @@
 from setuptools import setup
 
+
+def cuda_build() -> dict:
+    """Build the attention kernel ahead of time only where torch itself is a CUDA build
+    (pip install --no-build-isolation -e .); everywhere else it is built on first use, or not at all."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension
+
+        import attention_cuda
+    except ImportError:
+        return {}
+    ext = attention_cuda.cuda_extension() if torch.version.cuda else None
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}} if ext else {}
+
+
 setup(
     name="laneserve",
     version="0.1.0",
@@ -7,7 +22,8 @@ setup(
     python_requires=">=3.10",
     py_modules=["model", "weights", "tokenizer", "kv_cache", "scheduler", "engine", "serve", "bench"],
     packages=["attention_cuda"],
-    package_data={"attention_cuda": ["*.cu", "*.cpp"]},
+    package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"]},
     install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2"],
     extras_require={"test": ["pytest", "transformers", "accelerate", "openai"]},
+    **cuda_build(),
 )

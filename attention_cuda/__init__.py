@@ -41,49 +41,54 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     query_start_loc[i]:query_start_loc[i+1] ([total_tokens, num_heads, head_dim]); they are the
     last q_len of its context_lens[i] tokens, so row j sits at position context_len - q_len + j
     and sees keys 0..that position, through the lane's block table and nothing else."""
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    starts = query_start_loc.tolist()
     ctx = context_lens.tolist()
-    out = torch.empty_like(query)
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if len(decode) == len(q_lens):  # the common step: every lane decodes one token
+        return _decode(query, k_cache, v_cache, block_tables, context_lens, max(ctx), scale)
+    out = torch.empty_like(query)
     if decode:
-        # All one-token lanes in one padded batch: pad keys are masked out, and since
-        # the cache is zero-initialised they cannot leak NaN/inf into the weighted sum.
-        idx = torch.tensor(decode)
-        rows = query_start_loc[idx].long()
-        lens = context_lens[idx].to(query.device, torch.long)
-        k = gather_kv(k_cache, block_tables[idx], int(lens.max()))
-        v = gather_kv(v_cache, block_tables[idx], int(lens.max()))
-        mask = torch.arange(k.shape[1], device=query.device) < lens[:, None]  # [seqs, max_len]
-        out[rows] = _sdpa(query[rows].unsqueeze(1), k, v, mask[:, None, None, :], scale).squeeze(1)
+        idx = torch.tensor(decode, device=query.device)
+        rows = query_start_loc.to(query.device)[idx].long()
+        out[rows] = _decode(query[rows], k_cache, v_cache, block_tables[idx], context_lens[idx],
+                            max(ctx[i] for i in decode), scale)
     for i, n in enumerate(q_lens):
         if n == 1:
             continue
-        s = int(query_start_loc[i])
-        k = gather_kv(k_cache, block_tables[i:i + 1], ctx[i])
-        v = gather_kv(v_cache, block_tables[i:i + 1], ctx[i])
-        # Query j may see keys up to its own position ctx - n + j.
-        pos = torch.arange(ctx[i] - n, ctx[i], device=query.device)
-        mask = torch.arange(ctx[i], device=query.device)[None, :] <= pos[:, None]
-        out[s:s + n] = _sdpa(query[s:s + n].unsqueeze(0), k, v, mask[None, None], scale).squeeze(0)
+        s = starts[i]
+        k = gather_kv(k_cache, block_tables[i:i + 1], ctx[i]).transpose(1, 2)  # [1, kv_heads, ctx, dim]
+        v = gather_kv(v_cache, block_tables[i:i + 1], ctx[i]).transpose(1, 2)
+        q = query[s:s + n].unsqueeze(0).transpose(1, 2)
+        if n == ctx[i]:  # a whole prompt in one chunk: plain causal attention
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # a later chunk: query j sits at position ctx - n + j and sees keys up to it
+            pos = torch.arange(ctx[i] - n, ctx[i], device=query.device)
+            mask = torch.arange(ctx[i], device=query.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:s + n] = o[0].transpose(0, 1)
     return out
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """[seqs, q_len, heads, dim] x [seqs, k_len, kv_heads, dim] -> [seqs, q_len, heads, dim], GQA by
-    repeating each KV head for its group of query heads."""
-    group = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale)
-    return o.transpose(1, 2)
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """One query token per lane, all lanes in one padded batch. Each KV head serves its group of
+    query heads by a grouped matmul (no copies of K/V per query head). Pad keys are masked out,
+    and since the cache is zero-initialised they cannot leak NaN/inf into the weighted sum."""
+    k = gather_kv(k_cache, block_tables, max_len)  # [seqs, max_len, kv_heads, dim]
+    v = gather_kv(v_cache, block_tables, max_len)
+    seqs, heads, dim = query.shape
+    q = query.view(seqs, k.shape[2], heads // k.shape[2], dim)  # [seqs, kv_heads, group, dim]
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale
+    pad = torch.arange(max_len, device=query.device) >= context_lens.to(query.device)[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(seqs, heads, dim)
 
-
-# --- The CUDA kernel (paged_attention.cu via binding.cpp), for decode lanes on the GPU ---------------
 
 _SOURCES = ["binding.cpp", "paged_attention.cu"]
-_CXX_FLAGS = ["-O3", "-std=c++17"]
-_NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
+_CXX_FLAGS = ["-O3"]  # torch adds the C++ standard it needs (C++20 for torch 2.13)
+_NVCC_FLAGS = ["-O3", "-lineinfo"]
 _ext = None
 
 

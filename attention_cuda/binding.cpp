@@ -1,0 +1,123 @@
+// Torch binding for paged_attention.cu: checks arguments (raising Python errors), allocates the
+// output and scratch, and calls the plain launchers on the CUDA stream handed over from Python.
+#include <torch/extension.h>
+
+#include "paged_attention.h"
+
+namespace {
+
+int dtype_code(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return 0;
+    case torch::kFloat16: return 1;
+    case torch::kBFloat16: return 2;
+    default: TORCH_CHECK(false, "paged attention: unsupported dtype ", t.scalar_type(),
+                         " (float32, float16 or bfloat16)");
+  }
+  return -1;
+}
+
+void check_on(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), " but the others on ", like.device());
+}
+
+bool aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& like) {
+  check_on(k_cache, "k_cache", like);
+  check_on(v_cache, "v_cache", like);
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", v_cache.sizes(), " != k_cache shape ",
+              k_cache.sizes());
+  TORCH_CHECK(k_cache.scalar_type() == like.scalar_type() && v_cache.scalar_type() == like.scalar_type(),
+              "k_cache/v_cache dtype must match ", like.scalar_type());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
+  TORCH_CHECK(aligned16(k_cache) && aligned16(v_cache), "k_cache and v_cache must be 16-byte aligned");
+}
+
+void check(const char* err) { TORCH_CHECK(err == nullptr, "CUDA kernel launch failed: ", err ? err : ""); }
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                              int64_t stream) {
+  TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got one on ", query.device());
+  const int dtype = dtype_code(query);
+  check_cache(k_cache, v_cache, query);
+  check_on(block_tables, "block_tables", query);
+  check_on(context_lens, "context_lens", query);
+  TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", query.sizes());
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged attention kernel: head_dim must be 64 or 128, got ",
+              head_dim);
+  TORCH_CHECK(k_cache.size(3) == head_dim, "cache head_dim ", k_cache.size(3), " != query head_dim ", head_dim);
+  TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32, "block_size must be 8, 16 or 32, got ",
+              block_size);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  const int64_t vec = 16 / query.element_size();
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) % vec == 0 && query.stride(0) % vec == 0 && aligned16(query),
+              "query rows must be contiguous and 16-byte aligned (use .contiguous())");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == num_seqs && block_tables.size(1) > 0 && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32 [num_seqs, max_blocks], got ", block_tables.scalar_type(), " ",
+              block_tables.sizes());
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.dim() == 1 &&
+                  context_lens.size(0) == num_seqs && context_lens.is_contiguous(),
+              "context_lens must be contiguous int32 [num_seqs], got ", context_lens.scalar_type(), " ",
+              context_lens.sizes());
+  TORCH_CHECK(num_seqs <= 65535, "at most 65535 sequences per call, got ", num_seqs);
+  TORCH_CHECK(block_tables.size(1) * block_size <= INT32_MAX, "block_tables too wide");
+
+  auto out = torch::empty({num_seqs, num_heads, head_dim}, query.options());
+  PagedAttentionParams p{out.data_ptr(), nullptr, nullptr, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                         block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
+                         (int)num_kv_heads, (int)head_dim, (int)block_size, (int)block_tables.size(1), 1, dtype,
+                         query.stride(0), query.stride(1), (float)scale};
+  p.num_splits = laneserve_attention_splits(block_tables.size(1) * block_size);
+  // Freed on return, which is safe: `stream` is torch's current one, on which the allocator orders reuse.
+  torch::Tensor tmp_out, tmp_ml;
+  if (p.num_splits > 1) {
+    const auto f32 = query.options().dtype(torch::kFloat32);
+    tmp_out = torch::empty({num_seqs, num_heads, p.num_splits, head_dim}, f32);
+    tmp_ml = torch::empty({num_seqs, num_heads, p.num_splits, 2}, f32);
+    p.tmp_out = tmp_out.data_ptr<float>();
+    p.tmp_ml = tmp_ml.data_ptr<float>();
+  }
+  check(laneserve_paged_attention(&p, reinterpret_cast<cudaStream_t>(stream)));
+  return out;
+}
+
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping, int64_t stream) {
+  TORCH_CHECK(key.is_cuda(), "key must be a CUDA tensor, got one on ", key.device());
+  dtype_code(key);
+  check_on(value, "value", key);
+  check_on(slot_mapping, "slot_mapping", key);
+  check_cache(k_cache, v_cache, key);
+  TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value dtype must match key's");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == k_cache.size(2) &&
+                  key.size(2) == k_cache.size(3),
+              "key/value must be [num_tokens, num_kv_heads, head_dim] matching the cache, got ", key.sizes(),
+              " and ", value.sizes(), " for cache ", k_cache.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64 [num_tokens]");
+  const int64_t elt = key.element_size(), row_bytes = key.size(1) * key.size(2) * elt;
+  for (const auto& t : {key, value})
+    TORCH_CHECK(t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)) && (t.stride(0) * elt) % 16 == 0 && aligned16(t),
+                "key/value rows must be contiguous and 16-byte aligned (use .contiguous())");
+  TORCH_CHECK(row_bytes % 16 == 0, "num_kv_heads * head_dim * element size must be a multiple of 16 bytes");
+  check(laneserve_store_kv(k_cache.data_ptr(), v_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
+                           slot_mapping.data_ptr<int64_t>(), (int)key.size(0), key.stride(0) * elt,
+                           value.stride(0) * elt, (int)row_bytes, reinterpret_cast<cudaStream_t>(stream)));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "decode attention over the paged KV cache");
+  m.def("store_kv", &store_kv, "write new K/V into the paged cache at slot_mapping (-1 skips)");
+}

@@ -1,0 +1,300 @@
+// Decode attention over the paged KV cache, and the store of new K/V into it. Pure CUDA, no torch:
+// binding.cpp checks arguments and calls the launchers at the bottom (declared in paged_attention.h).
+//
+// Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. A lane's
+// token t lives in physical block block_tables[lane][t / block_size] at offset t % block_size.
+//
+// Thread mapping of the attention kernel (one thread block of 4 warps per (kv-head group, lane,
+// split)):
+//   blockIdx.x  one KV head and up to GMAX of the query heads that share it (GQA), so each K/V
+//               byte is read from HBM once for its whole group;
+//   blockIdx.y  the lane (one query token);
+//   blockIdx.z  the split: a lane's context is cut into num_splits contiguous ranges of at least
+//               PARTITION tokens, each done by its own thread block, then combined by reduce_kernel.
+//   Inside a block, each token row of one KV head (head_dim * sizeof(T) bytes) is read by LPT
+//   lanes, 16 bytes each (VEC elements); a warp thus covers TPW = 32 / LPT tokens per step
+//   (bf16/fp16: 2 tokens at head_dim 128, 4 at 64; fp32: 1 and 2), and the 4 warps interleave over
+//   the split's tokens. Every such group of LPT lanes keeps its own online-softmax state
+//   (running max m, sum l, unnormalised output acc, all fp32) for each of its heads; the
+//   NPART = 4 * TPW states are merged through shared memory at the end.
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include "paged_attention.h"
+
+namespace {
+
+constexpr int NUM_WARPS = 4;
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+constexpr int PARTITION = 512;  // fewest tokens per split
+constexpr int MAX_SPLITS = 64;  // bounds the fp32 scratch: num_seqs * num_heads * 64 * (head_dim + 2)
+constexpr int UNROLL = 2;       // steps whose K/V loads are issued together, to keep loads in flight
+constexpr float LOG2E = 1.4426950408889634f;
+
+// Tokens per split for a lane of ctx tokens; both kernels must agree on it.
+__device__ __forceinline__ int split_len(int ctx, int num_splits) {
+  return max(PARTITION, (ctx + num_splits - 1) / num_splits);
+}
+
+// Tokens the lane really has: its context length, clamped to what its block-table row can address
+// (a wrong length then gives wrong numbers rather than an illegal address).
+__device__ __forceinline__ int lane_len(const PagedAttentionParams& p, int seq) {
+  return min(max(p.context_lens[seq], 0), p.max_blocks * p.block_size);
+}
+
+// 16 bytes of T -> floats, by bit operations (no pointer punning, which strict aliasing forbids).
+template <typename T> __device__ __forceinline__ void unpack(const uint4& u, float* f);
+template <> __device__ __forceinline__ void unpack<float>(const uint4& u, float* f) {
+  f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
+}
+template <> __device__ __forceinline__ void unpack<__half>(const uint4& u, float* f) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};  // two halves per word, the first in the low bits
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
+    f[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
+  }
+}
+template <> __device__ __forceinline__ void unpack<__nv_bfloat16>(const uint4& u, float* f) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};  // a bfloat16 is the high half of a float32
+  for (int i = 0; i < 4; ++i) { f[2 * i] = __uint_as_float(w[i] << 16); f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u); }
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Weight exp2(m - M) of a partial state with max m in a merge whose max is M; an empty state
+// (m = -inf) weighs 0, also when every state is empty (M = -inf, where exp2 would give NaN).
+__device__ __forceinline__ float merge_weight(float m, float M) { return m == -INFINITY ? 0.f : exp2f(m - M); }
+
+template <typename T, int HEAD_DIM, int GMAX>
+__global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAttentionParams p) {
+  constexpr int VEC = 16 / sizeof(T);     // elements per 16-byte load
+  constexpr int LPT = HEAD_DIM / VEC;     // lanes per token row
+  constexpr int TPW = 32 / LPT;           // tokens per warp per step
+  constexpr int STEP = NUM_WARPS * TPW;   // tokens per block per step
+  constexpr int NPART = STEP;             // online-softmax states per block
+  static_assert(LPT <= 32 && 32 % LPT == 0, "a token row must fit one warp");
+
+  const int group = p.num_heads / p.num_kv_heads;
+  const int chunks = (group + GMAX - 1) / GMAX;  // blocks per KV head when its group exceeds GMAX
+  const int kv_head = blockIdx.x / chunks;
+  const int g0 = (blockIdx.x % chunks) * GMAX;
+  const int head0 = kv_head * group + g0;
+  const int nh = min(GMAX, group - g0);           // heads of this block, block-uniform
+  const int seq = blockIdx.y, split = blockIdx.z, num_splits = p.num_splits;
+  const int ctx = lane_len(p, seq);
+  const int start = split * split_len(ctx, num_splits);
+  const int end = min(start + split_len(ctx, num_splits), ctx);
+  T* out_row = static_cast<T*>(p.out) + ((int64_t)seq * p.num_heads + head0) * HEAD_DIM;
+
+  if (start >= end) {  // a split past the lane's end; with one split, an empty lane gets zeros
+    if (num_splits == 1)
+      for (int i = threadIdx.x; i < nh * HEAD_DIM; i += NUM_THREADS) out_row[i] = from_float<T>(0.f);
+    return;
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sub = lane / LPT;         // which token of the warp's step
+  const int d0 = (lane % LPT) * VEC;  // first of this lane's VEC dims
+
+  // The query, pre-scaled so that scores are in log2 units and exp2f serves as exp.
+  float q[GMAX][VEC], acc[GMAX][VEC], m[GMAX], l[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) q[g][j] = acc[g][j] = 0.f;
+    if (g < nh) {
+      const T* q_row = static_cast<const T*>(p.query) + seq * p.q_stride_seq + (head0 + g) * p.q_stride_head;
+      const uint4 u = *reinterpret_cast<const uint4*>(q_row + d0);
+      unpack<T>(u, q[g]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) q[g][j] *= p.scale * LOG2E;
+    }
+  }
+
+  const int* table = p.block_tables + (int64_t)seq * p.max_blocks;
+  const int64_t token_stride = (int64_t)p.num_kv_heads * HEAD_DIM;  // elements from one slot to the next
+  const T* k_base = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM + d0;
+  const T* v_base = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM + d0;
+  const int block_shift = __ffs(p.block_size) - 1, offset_mask = p.block_size - 1;
+
+  // t0 is warp-uniform, so every lane reaches the shuffles; lanes past `end` just don't update.
+  for (int t0 = start + warp * TPW; t0 < end; t0 += STEP * UNROLL) {
+    uint4 kr[UNROLL], vr[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t = t0 + u * STEP + sub;
+      kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+      if (t < end) {
+        const int64_t block = table[t >> block_shift];  // widened before any multiply
+        const int64_t off = ((block << block_shift) + (t & offset_mask)) * token_stride;
+        kr[u] = *reinterpret_cast<const uint4*>(k_base + off);
+        vr[u] = *reinterpret_cast<const uint4*>(v_base + off);
+      }
+    }
+    // Scores of the UNROLL tokens for every head, summed over the token's LPT lanes.
+    float s[UNROLL][GMAX], v[UNROLL][VEC];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float k[VEC];
+      unpack<T>(kr[u], k);
+      unpack<T>(vr[u], v[u]);
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        s[u][g] = 0.f;
+        if (g >= nh) continue;  // block-uniform, so the shuffles stay convergent
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) s[u][g] += q[g][j] * k[j];
+#pragma unroll
+        for (int o = LPT / 2; o > 0; o /= 2) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+      }
+    }
+    // Online softmax; the state is rescaled only when the running max grows, which is rare.
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= nh) continue;
+      float s_max = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+        if (t0 + u * STEP + sub < end) s_max = fmaxf(s_max, s[u][g]);
+      if (s_max > m[g]) {
+        const float alpha = exp2f(m[g] - s_max);  // 0 for the first token (m = -inf)
+        l[g] *= alpha;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[g][j] *= alpha;
+        m[g] = s_max;
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (t0 + u * STEP + sub >= end) continue;
+        const float w = exp2f(s[u][g] - m[g]);
+        l[g] += w;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[g][j] += w * v[u][j];
+      }
+    }
+  }
+
+  // Merge the NPART states of the block, then write the normalised result: straight to `out` when
+  // the lane has one split, else to the scratch for reduce_kernel, with the split's max and sum.
+  __shared__ float red_acc[NPART][GMAX][HEAD_DIM];
+  __shared__ float red_m[NPART][GMAX], red_l[NPART][GMAX];
+  const int part = warp * TPW + sub;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g >= nh) continue;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) red_acc[part][g][d0 + j] = acc[g][j];
+    if (d0 == 0) { red_m[part][g] = m[g]; red_l[part][g] = l[g]; }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nh * HEAD_DIM; i += NUM_THREADS) {
+    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+    float M = -INFINITY, L = 0.f, o = 0.f;
+    for (int k = 0; k < NPART; ++k) M = fmaxf(M, red_m[k][g]);
+    for (int k = 0; k < NPART; ++k) {
+      const float w = merge_weight(red_m[k][g], M);
+      L += red_l[k][g] * w;
+      o += red_acc[k][g][d] * w;
+    }
+    o /= L;  // L >= 1: the state holding the max token contributes exp2(0)
+    if (num_splits == 1) {
+      out_row[i] = from_float<T>(o);
+    } else {
+      const int64_t r = ((int64_t)seq * p.num_heads + head0 + g) * num_splits + split;
+      p.tmp_out[r * HEAD_DIM + d] = o;
+      if (d == 0) { p.tmp_ml[2 * r] = M; p.tmp_ml[2 * r + 1] = L; }
+    }
+  }
+}
+
+// One block per (head, lane), one thread per dim: merge the lane's active splits.
+template <typename T>
+__global__ void reduce_kernel(const PagedAttentionParams p) {
+  const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, head_dim = blockDim.x;
+  const int ctx = lane_len(p, seq), n = (ctx + split_len(ctx, p.num_splits) - 1) / split_len(ctx, p.num_splits);
+  const int64_t r0 = ((int64_t)seq * p.num_heads + head) * p.num_splits;
+  const float* ml = p.tmp_ml + 2 * r0;
+  float M = -INFINITY, L = 0.f, o = 0.f;
+  for (int s = 0; s < n; ++s) M = fmaxf(M, ml[2 * s]);
+  for (int s = 0; s < n; ++s) {
+    const float w = ml[2 * s + 1] * merge_weight(ml[2 * s], M);  // the split's sum, rescaled
+    L += w;
+    o += p.tmp_out[(r0 + s) * head_dim + d] * w;
+  }
+  static_cast<T*>(p.out)[((int64_t)seq * p.num_heads + head) * head_dim + d] = from_float<T>(n > 0 ? o / L : 0.f);
+}
+
+// One block per new token: copy its K and V rows (num_kv_heads * head_dim elements) into its slot.
+__global__ void store_kv_kernel(char* __restrict__ k_cache, char* __restrict__ v_cache,
+                                const char* __restrict__ key, const char* __restrict__ value,
+                                const int64_t* __restrict__ slot_mapping, int64_t key_stride,
+                                int64_t value_stride, int row_bytes) {
+  const int64_t token = blockIdx.x, slot = slot_mapping[token];
+  if (slot < 0) return;  // padding
+  const uint4* k = reinterpret_cast<const uint4*>(key + token * key_stride);
+  const uint4* v = reinterpret_cast<const uint4*>(value + token * value_stride);
+  uint4* kc = reinterpret_cast<uint4*>(k_cache + slot * row_bytes);
+  uint4* vc = reinterpret_cast<uint4*>(v_cache + slot * row_bytes);
+  for (int i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) { kc[i] = k[i]; vc[i] = v[i]; }
+}
+
+template <typename T, int HEAD_DIM>
+void launch_attention(const PagedAttentionParams& p, cudaStream_t stream) {
+  // Register arrays are sized by GMAX: 1 for plain multi-head, 2, else 4 (larger groups take
+  // several blocks per KV head, whose repeated K/V reads mostly hit L2).
+  const int group = p.num_heads / p.num_kv_heads, gmax = group == 1 ? 1 : group == 2 ? 2 : 4;
+  const dim3 grid(p.num_kv_heads * ((group + gmax - 1) / gmax), p.num_seqs, p.num_splits);
+  auto kernel = gmax == 1 ? attention_kernel<T, HEAD_DIM, 1>
+              : gmax == 2 ? attention_kernel<T, HEAD_DIM, 2> : attention_kernel<T, HEAD_DIM, 4>;
+  kernel<<<grid, NUM_THREADS, 0, stream>>>(p);
+  if (p.num_splits > 1) reduce_kernel<T><<<dim3(p.num_heads, p.num_seqs), HEAD_DIM, 0, stream>>>(p);
+}
+
+template <typename T>
+void launch_attention(const PagedAttentionParams& p, cudaStream_t stream) {
+  if (p.head_dim == 64) launch_attention<T, 64>(p, stream);
+  else launch_attention<T, 128>(p, stream);
+}
+
+const char* last_error() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace
+
+extern "C" {
+
+int laneserve_attention_splits(int64_t max_context) {
+  const int64_t n = (max_context + PARTITION - 1) / PARTITION;
+  return (int)(n < 1 ? 1 : n > MAX_SPLITS ? MAX_SPLITS : n);
+}
+
+const char* laneserve_paged_attention(const PagedAttentionParams* p, cudaStream_t stream) {
+  if (p->head_dim != 64 && p->head_dim != 128) return "head_dim must be 64 or 128";
+  if (p->block_size <= 0 || (p->block_size & (p->block_size - 1))) return "block_size must be a power of two";
+  if (p->num_seqs == 0) return nullptr;
+  if (p->dtype == 0) launch_attention<float>(*p, stream);
+  else if (p->dtype == 1) launch_attention<__half>(*p, stream);
+  else if (p->dtype == 2) launch_attention<__nv_bfloat16>(*p, stream);
+  else return "dtype must be float32, float16 or bfloat16";
+  return last_error();
+}
+
+const char* laneserve_store_kv(void* k_cache, void* v_cache, const void* key, const void* value,
+                               const int64_t* slot_mapping, int num_tokens, int64_t key_stride,
+                               int64_t value_stride, int row_bytes, cudaStream_t stream) {
+  if (num_tokens == 0) return nullptr;
+  const int threads = row_bytes / 16 < 256 ? (row_bytes / 16 + 31) / 32 * 32 : 256;
+  store_kv_kernel<<<num_tokens, threads, 0, stream>>>(static_cast<char*>(k_cache), static_cast<char*>(v_cache),
+                                                      static_cast<const char*>(key), static_cast<const char*>(value),
+                                                      slot_mapping, key_stride, value_stride, row_bytes);
+  return last_error();
+}
+
+}  // extern "C"

@@ -1,0 +1,35 @@
+// What paged_attention.cu exports to binding.cpp. Both include this file, so the two cannot disagree.
+#pragma once
+#include <stdint.h>
+
+typedef struct CUstream_st* cudaStream_t;  // as cuda_runtime_api.h declares it; no CUDA headers needed
+
+// Decode attention: query [num_seqs, num_heads, head_dim] (dim contiguous, strides in elements,
+// multiples of 16 bytes) attends to the first context_lens[i] tokens of its lane in the caches
+// [num_blocks, block_size, num_kv_heads, head_dim] (contiguous, 16-byte aligned) through
+// block_tables [num_seqs, max_blocks] (int32); out is contiguous like query. With num_splits > 1
+// (see laneserve_attention_splits), tmp_out [num_seqs, num_heads, num_splits, head_dim] and tmp_ml
+// [..., num_splits, 2] are fp32 scratch. dtype: 0 float32, 1 float16, 2 bfloat16; head_dim 64 or
+// 128; block_size a power of two.
+struct PagedAttentionParams {
+  void* out;
+  float *tmp_out, *tmp_ml;
+  const void *query, *k_cache, *v_cache;
+  const int *block_tables, *context_lens;
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, num_splits, dtype;
+  int64_t q_stride_seq, q_stride_head;
+  float scale;
+};
+
+extern "C" {
+// How many splits the launcher uses (and the scratch must hold) when a block-table row addresses
+// max_context tokens: known on the host without reading context_lens.
+int laneserve_attention_splits(int64_t max_context);
+// Launch on `stream`; NULL on success, else the error.
+const char* laneserve_paged_attention(const PagedAttentionParams* p, cudaStream_t stream);
+// Copy key/value rows (num_kv_heads * head_dim elements = row_bytes, 16-byte aligned, key_stride /
+// value_stride bytes apart) into the caches at slot_mapping[i]; slot -1 is skipped.
+const char* laneserve_store_kv(void* k_cache, void* v_cache, const void* key, const void* value,
+                               const int64_t* slot_mapping, int num_tokens, int64_t key_stride,
+                               int64_t value_stride, int row_bytes, cudaStream_t stream);
+}

@@ -1,0 +1,607 @@
+"""Measurement: the throughput/latency curve over concurrency, goodput at an SLO, a mixed short/long probe,
+continuous vs static batching, offline throughput and the attention kernel, against any OpenAI-compatible server.
+
+Every number is taken from outside, as a user sees it: streamed over real HTTP, TTFT at the first content
+chunk, ITL between content chunks, token counts from the server's usage. Every run stops by itself: each phase
+gets a share of --time-limit, and whatever is in flight when its share is spent is cancelled and the phase
+marked partial (*), so a slow machine yields a shorter measurement, never a hung one."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+
+import weights
+from engine import LLM, EngineConfig, SamplingParams
+from serve import Server
+
+try:
+    import openai
+except ImportError:  # only the HTTP modes need it; --offline and --kernel run without
+    openai = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT = "Request {i}: write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
+STATS = (("mean", "Mean"), ("p50", "P50"), ("p95", "P95"), ("p99", "P99"))
+
+
+class BenchError(Exception):
+    """Stops the run: results would be wrong (token counts disagree) or cannot be had (server failed)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")  # one line, not the usage block
+
+
+def _number(kind: type, zero_ok: bool = False):
+    """An argparse type: a positive int or float (or zero, with zero_ok)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if not (value >= 0 if zero_ok else value > 0) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} must be finite and {'>=' if zero_ok else '>'} 0")
+        return value
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    d = EngineConfig()
+    p = ArgumentParser(prog="bench.py", description="Serving benchmark: by default starts the model in-process "
+                       "on a free loopback port and measures it over HTTP; --base-url measures any OpenAI server.")
+    a, pos, num, count = p.add_argument, _number(int), _number(float), _number(int, zero_ok=True)
+    a("--base-url", help="measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead")
+    a("--api-key", default="none", help="bearer token for --base-url")
+    a("--compare-static", action="store_true", help="also run everything against a static-batching server")
+    a("--offline", action="store_true", help="offline throughput through LLM.generate's step loop, no HTTP")
+    a("--kernel", action="store_true", help="time attention_cuda.paged_attention (decode), Llama-3-8B shapes")
+    a("--concurrency", type=pos, nargs="+", default=[1, 4, 16, 64], help="client counts to sweep")
+    a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos)")
+    a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
+    a("--warmup", type=count, default=2, help="unmeasured requests before measuring (default 2)")
+    a("--temperature", type=_number(float, zero_ok=True), default=0.0, help="sampling temperature (default 0: greedy, as vLLM's bench)")
+    a("--slo-ttft", type=num, help="SLO on p95 TTFT in ms, for goodput")
+    a("--slo-itl", type=num, help="SLO on p95 ITL in ms, for goodput")
+    a("--mixed-short", type=pos, default=8, help="max_tokens of the mixed probe's short requests")
+    a("--mixed-long", type=pos, default=512, help="max_tokens of the mixed probe's long requests")
+    a("--mixed-num-short", type=count, default=16, help="short requests in the mixed probe (0: no probe)")
+    a("--mixed-num-long", type=pos, default=4, help="long requests in the mixed probe")
+    a("--num-prompts", type=pos, default=256, help="--offline: sequences")
+    a("--min-len", type=pos, default=100, help="--offline: shortest prompt and output, tokens")
+    a("--max-len", type=pos, default=1024, help="--offline: longest prompt and output, tokens")
+    a("--kernel-batches", type=pos, nargs="+", help="--kernel: batch sizes (default 1..256 on CUDA)")
+    a("--kernel-contexts", type=pos, nargs="+", help="--kernel: context lengths (default 512..8192 on CUDA)")
+    a("--time-limit", type=num, default=540, help="seconds for the whole run, model loading included")
+    a("--request-timeout", type=num, default=300, help="seconds for one request")
+    a("--json", metavar="PATH", help="write every number, per-request arrays and the configuration here")
+    a("--plot", metavar="PATH", help="PNG: throughput vs p95 latency, and the mixed probe's timeline")
+    g = p.add_argument_group("engine (in-process server; as serve.py)").add_argument
+    g("--model", help=f"preset, HF repo id or path (default {d.model}); with --base-url the model to request")
+    g("--model-path", help="checkpoint for --model")
+    g("--dummy-weights", action="store_true", help="random weights in the preset's shapes")
+    g("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype)
+    g("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g("--max-num-seqs", type=pos, default=d.max_num_seqs)
+    g("--max-num-batched-tokens", type=pos, default=d.max_num_batched_tokens)
+    g("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
+    g("--enable-prefix-caching", action="store_true")
+    g("--block-size", type=pos, default=d.block_size)
+    g("--num-kv-blocks", type=pos)
+    g("--kv-cache-memory", type=num, default=d.kv_cache_memory, help="GiB of KV pool on CPU")
+    g("--gpu-memory-utilization", type=num, default=d.gpu_memory_utilization)
+    g("--max-model-len", type=pos)
+    g("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
+    g("--seed", type=count, default=0, help="engine seed, and --offline's lengths and prompts")
+    g("--torch-threads", type=pos, help="torch intra-op threads (default: torch's; for an in-process server on "
+                                        "CPU one fewer than the cores, left to the client and HTTP threads)")
+    args = p.parse_args(argv)
+    if args.offline + args.kernel + bool(args.base_url) > 1:
+        p.error("--offline, --kernel and --base-url are separate modes; pick one")
+    if args.base_url and args.compare_static:
+        p.error("--compare-static needs the in-process server (it starts a static one); drop --base-url")
+    if args.min_len > args.max_len:
+        p.error(f"--min-len ({args.min_len}) is above --max-len ({args.max_len})")
+    try:
+        engine_config(args).validate()
+    except ValueError as e:
+        p.error(str(e))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("bench.py: matplotlib is not installed, so --plot will be skipped (pip install matplotlib)",
+              file=sys.stderr)
+    return args
+
+
+def engine_config(args: argparse.Namespace, scheduling: str = "continuous") -> EngineConfig:
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
+    return EngineConfig(**{**given, "scheduling": scheduling})
+
+
+class Progress:
+    """A one-line bar on stderr; a single summary line when stderr is not a terminal (logs, CI)."""
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total, self.done, self.began, self.drawn = label, total, 0, time.perf_counter(), 0.0
+        self.tty = sys.stderr.isatty()
+        self.update(0)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.tty and (now - self.drawn > 0.1 or self.done == self.total):
+            bar = "#" * (20 * self.done // max(self.total, 1))
+            sys.stderr.write(f"\r{self.label} [{bar:<20}] {self.done}/{self.total} {now - self.began:.0f}s ")
+            sys.stderr.flush()
+            self.drawn = now
+
+    def close(self, note: str = "") -> None:
+        line = f"{self.label}: {self.done}/{self.total} in {time.perf_counter() - self.began:.1f}s {note}"
+        sys.stderr.write(("\r" + line + " " * 10 + "\n") if self.tty else line + "\n")
+
+
+@dataclass
+class Request:
+    """One streamed request as the client saw it; times in seconds from the start of its phase."""
+    group: str                    # "warmup", "sweep", "short" or "long"
+    max_tokens: int
+    start: float = 0.0
+    ttft: float | None = None     # to the first chunk with content
+    itl: list[float] = field(default_factory=list)  # between chunks with content
+    end: float | None = None      # None: cut by the time limit, or failed
+    chunks: int = 0               # content chunks seen: a cut request's token count (no usage comes for it)
+    prompt_tokens: int = 0
+    output_tokens: int = 0        # from the server's usage
+    error: str | None = None
+
+
+async def stream_one(client, model: str, req: Request, prompt: str, args, t0: float) -> None:
+    """Fill req in place, so that a request cancelled at a time limit keeps what it measured."""
+    req.start = time.perf_counter() - t0
+    usage, last = None, 0.0
+    try:
+        async with asyncio.timeout(args.request_timeout):
+            async with await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=req.max_tokens,
+                    temperature=args.temperature, stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True}) as stream:
+                async for chunk in stream:
+                    now = time.perf_counter() - t0
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if req.ttft is None:
+                            req.ttft = now - req.start
+                        else:
+                            req.itl.append(now - last)
+                        last, req.chunks = now, req.chunks + 1
+                    usage = chunk.usage or usage
+    except TimeoutError:
+        req.error = f"timed out after {args.request_timeout:g}s (--request-timeout)"
+        return
+    except openai.APIError as e:
+        req.error = f"{type(e).__name__}: {e}"
+        return
+    req.end = time.perf_counter() - t0
+    if usage is None:
+        raise BenchError("the server sent no usage in the stream (stream_options.include_usage); "
+                         "token counts would be guesses")
+    req.prompt_tokens, req.output_tokens = usage.prompt_tokens, usage.completion_tokens
+    if req.output_tokens != req.max_tokens:
+        raise BenchError(f"asked for {req.max_tokens} tokens with ignore_eos, but the server's usage says "
+                         f"{req.output_tokens}: it does not honour ignore_eos or max_tokens, so the numbers "
+                         "would not compare")
+
+
+async def run_until(coros: list, until: float) -> bool:
+    """Run coros together, cancelling whatever is left at `until`; True if all finished. A BenchError in
+    one stops the rest at once."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return True
+    done, pending = await asyncio.wait(tasks, timeout=max(0.0, until - time.perf_counter()),
+                                       return_when=asyncio.FIRST_EXCEPTION)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for t in done:
+        t.result()
+    return not pending
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(reqs: list[Request], duration: float, args) -> dict:
+    """vLLM's metrics for one phase. A cut request still contributes its TTFT, ITLs and streamed chunks
+    (so a partial level's throughput counts the work done), but no E2EL or TPOT."""
+    ok = [r for r in reqs if r.error is None]
+    done = [r for r in ok if r.end is not None]
+    out = sum(r.output_tokens for r in done) + sum(r.chunks for r in ok if r.end is None)
+    inp = sum(r.prompt_tokens for r in done)
+    series = {"ttft": [r.ttft for r in ok if r.ttft is not None], "itl": [x for r in ok for x in r.itl],
+              "e2el": [r.end - r.start for r in done],
+              "tpot": [(r.end - r.start - r.ttft) / (r.output_tokens - 1) for r in done
+                       if r.output_tokens > 1 and r.ttft is not None]}
+    m: dict = {"completed": len(done), "failed": len(reqs) - len(ok), "unfinished": len(ok) - len(done),
+               "duration_s": duration, "total_input_tokens": inp, "total_output_tokens": out,
+               "request_throughput": len(done) / duration, "output_throughput": out / duration,
+               "total_token_throughput": (inp + out) / duration,
+               "per_request_output_throughput": float(np.mean([r.output_tokens / (r.end - r.start) for r in done]))
+               if done else None, "first_error": next((r.error for r in reqs if r.error), None)}
+    for name, _ in METRICS:
+        xs = [x * 1000 for x in series[name]]
+        m[f"mean_{name}_ms"] = float(np.mean(xs)) if xs else None
+        for q in (50, 95, 99):
+            m[f"p{q}_{name}_ms"] = pct(xs, q)
+    if args.slo_ttft or args.slo_itl:  # a request meets the SLO if its TTFT and its mean ITL both do
+        good = [r for r in done if r.ttft is not None and r.ttft * 1000 <= (args.slo_ttft or float("inf"))
+                and (not r.itl or np.mean(r.itl) * 1000 <= (args.slo_itl or float("inf")))]
+        m["goodput"] = len(good) / duration
+    return m
+
+
+async def run_level(client, model: str, args, concurrency: int, until: float, label: str) -> dict:
+    """Closed loop: `concurrency` clients, each sending --requests-per-client requests one after another."""
+    t0, reqs = time.perf_counter(), []
+    bar = Progress(f"{label} c={concurrency}", concurrency * args.requests_per_client)
+
+    async def client_loop(c: int) -> None:
+        for k in range(args.requests_per_client):
+            if time.perf_counter() >= until:
+                return
+            reqs.append(r := Request("sweep", args.max_tokens))
+            await stream_one(client, model, r, PROMPT.format(i=c * args.requests_per_client + k), args, t0)
+            bar.update()
+
+    complete = await run_until([client_loop(c) for c in range(concurrency)], until)
+    duration = time.perf_counter() - t0
+    bar.close("" if complete else "(time limit: partial)")
+    return {"concurrency": concurrency, "partial": not complete, "metrics": summarize(reqs, duration, args),
+            "requests": [asdict(r) for r in reqs]}
+
+
+async def run_mixed(client, model: str, args, until: float, label: str) -> dict:
+    """Long and short requests sent together: with continuous batching a short one leaves the batch as soon as
+    it is done; with static batching it waits for the longest lane of its batch."""
+    t0 = time.perf_counter()
+    reqs = [Request("long", args.mixed_long) for _ in range(args.mixed_num_long)] + \
+           [Request("short", args.mixed_short) for _ in range(args.mixed_num_short)]
+    bar = Progress(f"{label} mixed", len(reqs))
+
+    async def one(i: int, r: Request) -> None:
+        await stream_one(client, model, r, PROMPT.format(i=1000 + i), args, t0)
+        bar.update()
+
+    complete = await run_until([one(i, r) for i, r in enumerate(reqs)], until)
+    duration = time.perf_counter() - t0
+    bar.close("" if complete else "(time limit: partial)")
+    longs, shorts = [r for r in reqs if r.group == "long"], [r for r in reqs if r.group == "short"]
+    first_long = min((r.end for r in longs if r.end is not None), default=float("inf"))
+    # Static batching releases a batch's results in one step, where arrival order is noise: a short request
+    # counts as earlier only if it finished at least one decode step (the long ones' median ITL) before.
+    step = pct([x for r in longs for x in r.itl], 50) or 0.0
+    before = sum(r.end is not None and r.end < first_long - step for r in shorts)
+    return {"partial": not complete, "duration_s": duration, "short": summarize(shorts, duration, args),
+            "long": summarize(longs, duration, args),
+            "short_before_first_long": before / len(shorts) if shorts else None,
+            "requests": [asdict(r) for r in reqs]}
+
+
+def pick_goodput(sweep: list[dict], args) -> dict | None:
+    """The highest level whose p95 TTFT and p95 ITL both meet the SLO, and the goodput there."""
+    if not (args.slo_ttft or args.slo_itl):
+        return None
+    meets = [lv for lv in sweep if lv["metrics"]["p95_ttft_ms"] is not None
+             and lv["metrics"]["p95_ttft_ms"] <= (args.slo_ttft or float("inf"))
+             and (lv["metrics"]["p95_itl_ms"] or 0.0) <= (args.slo_itl or float("inf"))]
+    best = max(meets, key=lambda lv: lv["concurrency"], default=None)
+    return {"slo_ttft_ms": args.slo_ttft, "slo_itl_ms": args.slo_itl,
+            "concurrency": best and best["concurrency"], "goodput": best and best["metrics"]["goodput"]}
+
+
+def start_server(args, scheduling: str, until: float, report: dict) -> Server:
+    """The engine behind real HTTP on a free loopback port. In-process, the client shares the GIL (and, on CPU,
+    the cores) with the engine thread; --base-url against a separate serve.py keeps them apart."""
+    print(f"bench.py: starting an in-process {scheduling} server ...", file=sys.stderr)
+    server = Server(engine_config(args, scheduling), port=0)
+    server.start()
+    try:
+        if not server.wait_ready(max(1.0, until - time.perf_counter())):
+            raise BenchError("the model did not load within the time limit (--time-limit)")
+    except (RuntimeError, BenchError) as e:
+        server.stop()
+        raise BenchError(f"the model failed to load: {e}") from None
+    e = server.engine
+    report["config"].setdefault("engine", {})[scheduling] = {
+        **asdict(e.config), "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
+        "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks}
+    return server
+
+
+async def run_online(args, deadline: float, report: dict) -> None:
+    if openai is None:
+        raise BenchError("measuring over HTTP needs the openai package (pip install openai)")
+    labels = ["remote"] if args.base_url else ["continuous"] + ["static"] * args.compare_static
+    for i, label in enumerate(labels):
+        until = time.perf_counter() + (deadline - time.perf_counter()) / (len(labels) - i)  # a fair share each
+        server = None if args.base_url else start_server(args, label, until, report)
+        url = args.base_url or server.url
+        url = url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1"
+        client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, max_retries=0,
+                                    timeout=args.request_timeout)
+        try:
+            try:
+                model = args.model if args.base_url and args.model else (await client.models.list()).data[0].id
+            except openai.APIError as e:
+                raise BenchError(f"cannot list the models at {url}: {e}") from None
+            report["config"].setdefault("served_model", model)
+            run = report["runs"][label] = {"sweep": [], "mixed": None, "goodput": None}
+            t0, warm = time.perf_counter(), [Request("warmup", min(16, args.max_tokens)) for _ in range(args.warmup)]
+            await run_until([stream_one(client, model, r, PROMPT.format(i=-1 - j), args, t0)
+                             for j, r in enumerate(warm)], until)
+            if err := next((r.error for r in warm if r.error), None):
+                raise BenchError(f"warm-up request failed: {err}")
+            if args.mixed_num_short:  # first: a fixed, small workload, at most 40% of the time; the sweep adapts
+                mixed_until = time.perf_counter() + (until - time.perf_counter()) * 0.4
+                run["mixed"] = await run_mixed(client, model, args, mixed_until, label)
+            for j, c in enumerate(args.concurrency):  # equal shares; a level done early leaves its rest to later ones
+                level_until = time.perf_counter() + (until - time.perf_counter()) / (len(args.concurrency) - j)
+                run["sweep"].append(await run_level(client, model, args, c, level_until, label))
+            run["goodput"] = pick_goodput(run["sweep"], args)
+        finally:
+            await client.close()
+            if server is not None:
+                server.stop()
+
+
+def run_offline(args, deadline: float, report: dict) -> None:
+    """nano-vllm's bench: random token-id prompts and output lengths, ignore_eos. The loop is generate()'s own,
+    written out so that the time limit can stop it between steps."""
+    llm = LLM(engine_config(args))
+    report["config"]["engine"] = {**asdict(llm.config), "device": str(llm.device),
+                                  "dtype": str(llm.dtype).removeprefix("torch.")}
+    rng = random.Random(args.seed)
+    vocab = min(llm.model_config.vocab_size, 10000)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.num_prompts)]
+    outs = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
+    llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, unmeasured
+    before, bar, t0 = llm.num_generation_tokens, Progress("offline", args.num_prompts), time.perf_counter()
+    for p, n in zip(prompts, outs):
+        llm.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature))
+    finished = 0
+    while llm.has_unfinished() and time.perf_counter() < deadline:
+        done = sum(o.finished for o in llm.step())
+        finished += done
+        bar.update(done)
+    elapsed = time.perf_counter() - t0
+    bar.close("" if finished == args.num_prompts else "(time limit: partial)")
+    generated = llm.num_generation_tokens - before
+    report["offline"] = {"num_prompts": args.num_prompts, "finished": finished, "partial": finished < args.num_prompts,
+                         "prompt_tokens": sum(map(len, prompts)), "requested_output_tokens": sum(outs),
+                         "output_tokens": generated, "time_s": elapsed, "output_throughput": generated / elapsed,
+                         "prompt_lens": [len(p) for p in prompts], "output_lens": outs}
+
+
+def run_kernel(args, deadline: float, report: dict) -> None:
+    """Decode attention on Llama-3-8B shapes: our CUDA kernel beside the PyTorch reference. Bandwidth counts the
+    bytes that must be read (every lane's K and V, and Q): decode attention is memory-bound."""
+    import attention_cuda as ac
+    dev = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    cuda = dev.type == "cuda"
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    batches = args.kernel_batches or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 4, 16])
+    contexts = args.kernel_contexts or ([512, 1024, 2048, 4096, 8192] if cuda else [512, 1024])
+    rows = report["kernel"] = []
+
+    def timed(fn) -> tuple[torch.Tensor, float]:
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        out = fn()  # warm-up (on CUDA the first call may also build the kernel)
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        n = int(min(1000, max(3, 0.2 / max(time.perf_counter() - t, 1e-6))))  # about 0.2 s of repeats
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        return out, (time.perf_counter() - t) / n * 1000
+
+    if cuda:
+        print("bench.py: loading the CUDA kernel (built on first use: can take minutes) ...", file=sys.stderr)
+    for ctx in contexts:
+        for bs in batches:
+            if time.perf_counter() > deadline:
+                return
+            nblk = -(-ctx // block)
+            k, v = (torch.randn(bs * nblk, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
+            q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
+            tables = torch.randperm(bs * nblk, device=dev).view(bs, nblk).to(torch.int32)  # scattered, as in a pool
+            lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+            nbytes = (2 * bs * ctx * kv_heads * dim + q.numel()) * k.element_size()
+            row, out, ref = {"batch": bs, "context": ctx, "bytes": nbytes}, None, None
+            if cuda:
+                try:
+                    out, row["kernel_ms"] = timed(lambda: ac.cuda_paged_attention(q, k, v, tables, lens, dim ** -0.5))
+                except RuntimeError as e:  # the build failed: its message says what is missing
+                    raise BenchError(str(e)) from e
+                row["kernel_gbps"] = nbytes / row["kernel_ms"] / 1e6
+            # The reference gathers each lane's K/V and repeats it per query head: about 12x the cache in temporaries.
+            if not cuda or 12 * nbytes < 0.8 * torch.cuda.mem_get_info(dev)[0]:
+                try:
+                    ref, row["reference_ms"] = timed(lambda: ac.paged_attention(q, k, v, tables, lens, dim ** -0.5))
+                    row["reference_gbps"] = nbytes / row["reference_ms"] / 1e6
+                except torch.cuda.OutOfMemoryError:
+                    pass
+            if out is not None and ref is not None:
+                row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
+            rows.append(row)
+            del k, v, q, out, ref
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def fmt(x) -> str:
+    return "-" if x is None else str(x) if isinstance(x, int) else f"{x:.2f}"
+
+
+def print_report(report: dict, args) -> None:
+    w = 40
+    runs = report.get("runs", {})
+    if runs:
+        cols = [(c, label) for c in args.concurrency for label in runs]
+        by = {(lv["concurrency"], label): lv for label, run in runs.items() for lv in run["sweep"]}
+        head = [f"c={c}" + (" cont" if label == "continuous" else f" {label}" if len(runs) > 1 else "")
+                + ("*" if by.get((c, label), {}).get("partial") else "") for c, label in cols]
+        rows = [("Successful requests", "completed"), ("Failed requests", "failed"),
+                ("Benchmark duration (s)", "duration_s"), ("Total input tokens", "total_input_tokens"),
+                ("Total generated tokens", "total_output_tokens"), ("Request throughput (req/s)", "request_throughput"),
+                ("Output token throughput (tok/s)", "output_throughput"),
+                ("Total token throughput (tok/s)", "total_token_throughput"),
+                ("Per-request output throughput (tok/s)", "per_request_output_throughput")]
+        rows += [("Goodput (req/s)", "goodput")] if args.slo_ttft or args.slo_itl else []
+        rows += [(f"{s} {label} (ms)", f"{k}_{name}_ms") for name, label in METRICS for k, s in STATS]
+        print(f"\n{'Serving benchmark (max_tokens ' + str(args.max_tokens) + ')':<{w}}" + "".join(f"{h:>14}" for h in head))
+        for title, key in rows:
+            print(f"{title:<{w}}" + "".join(f"{fmt(by[c].get('metrics', {}).get(key)) if c in by else '-':>14}"
+                                            for c in cols))
+        if any(lv["partial"] for lv in by.values()):
+            print("* partial: the level's share of --time-limit ran out; counts include tokens streamed so far")
+        for label, run in runs.items():
+            if g := run.get("goodput"):
+                where = f"concurrency {g['concurrency']}, goodput {fmt(g['goodput'])} req/s" if g["concurrency"] \
+                    else "no level meets it"
+                print(f"Goodput [{label}] at p95 TTFT <= {fmt(g['slo_ttft_ms'])} ms, p95 ITL <= "
+                      f"{fmt(g['slo_itl_ms'])} ms: {where}")
+        mixed = {label: run["mixed"] for label, run in runs.items() if run.get("mixed")}
+        if mixed:
+            print(f"\n{'Mixed probe':<{w}}" + "".join(f"{label + ('*' if m['partial'] else ''):>14}"
+                                                      for label, m in mixed.items()))
+            for title, group, key in [(f"Short requests done (max_tokens {args.mixed_short})", "short", "completed"),
+                                      (f"Long requests done (max_tokens {args.mixed_long})", "long", "completed"),
+                                      ("Mean short E2EL (ms)", "short", "mean_e2el_ms"),
+                                      ("P95 short E2EL (ms)", "short", "p95_e2el_ms"),
+                                      ("Mean short TTFT (ms)", "short", "mean_ttft_ms"),
+                                      ("Mean long E2EL (ms)", "long", "mean_e2el_ms"),
+                                      ("Mean long TTFT (ms)", "long", "mean_ttft_ms")]:
+                print(f"{title:<{w}}" + "".join(f"{fmt(m[group][key]):>14}" for m in mixed.values()))
+            print(f"{'Short finished before first long (%)':<{w}}" + "".join(
+                f"{fmt(None if m['short_before_first_long'] is None else 100 * m['short_before_first_long']):>14}"
+                for m in mixed.values()))
+    if o := report.get("offline"):
+        print(f"\nOffline: {o['finished']}/{o['num_prompts']} sequences{' (partial)' if o['partial'] else ''}, "
+              f"{o['prompt_tokens']} prompt tokens, {o['output_tokens']} output tokens in {o['time_s']:.2f}s: "
+              f"{o['output_throughput']:.2f} output tok/s")
+    if rows := report.get("kernel"):
+        print(f"\n{'context':>8}{'batch':>7}{'KV+Q MB':>10}{'kernel ms':>11}{'GB/s':>9}{'ref ms':>10}{'GB/s':>9}"
+              f"{'speedup':>9}{'max|diff|':>11}")
+        for r in rows:
+            speedup = r["reference_ms"] / r["kernel_ms"] if "kernel_ms" in r and "reference_ms" in r else None
+            print(f"{r['context']:>8}{r['batch']:>7}{r['bytes'] / 1e6:>10.1f}" + "".join(
+                f"{fmt(v):>{n}}" for v, n in [(r.get("kernel_ms"), 11), (r.get("kernel_gbps"), 9),
+                                              (r.get("reference_ms"), 10), (r.get("reference_gbps"), 9),
+                                              (speedup, 9), (r.get("max_abs_diff"), 11)]))
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (curve, timeline) = plt.subplots(1, 2, figsize=(14, 5))
+    row = 0
+    for label, run in report.get("runs", {}).items():
+        for key, style in (("p95_itl_ms", "-o"), ("p95_ttft_ms", "--s")):
+            pts = [(lv["metrics"]["output_throughput"], lv["metrics"][key], lv["concurrency"]) for lv in run["sweep"]
+                   if lv["metrics"][key] is not None]
+            if pts:
+                curve.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{label} {key[4:-3].upper()}")
+                for x, y, c in pts:
+                    curve.annotate(f"c={c}", (x, y), fontsize=8)
+        for r in (run.get("mixed") or {}).get("requests", []):
+            end = r["end"] if r["end"] is not None else run["mixed"]["duration_s"]
+            timeline.hlines(row, r["start"], end, colors="tab:blue" if r["group"] == "short" else "tab:red")
+            if r["ttft"] is not None:
+                timeline.plot(r["start"] + r["ttft"], row, "k|")
+            row += 1
+        if run.get("mixed"):
+            timeline.text(0, row, f"{label} (red: long, blue: short, |: first token)", fontsize=8)
+            row += 2
+    curve.set(xlabel="Output token throughput (tok/s)", ylabel="P95 latency (ms)", yscale="log",
+              title="Throughput vs p95 latency per concurrency level")
+    curve.legend()
+    timeline.set(xlabel="seconds", ylabel="request", title="Mixed probe timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def versions() -> dict:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                             timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        rev = None
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "openai": openai and openai.__version__,
+            "laneserve_git": rev, "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    elif cpu and not (args.base_url or args.offline or args.kernel):
+        # The client and the HTTP threads share this process. Torch's workers spin at every op's barrier, so
+        # when one of them loses its core to the client every op stalls: on 2 cores, 10x slower steps.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    deadline = time.perf_counter() + args.time_limit
+    knobs = {**vars(args), "api_key": "(set)" if args.api_key != "none" else None}  # no secrets in reports
+    report: dict = {"config": {"knobs": knobs, "model": args.model or weights.DEFAULT_MODEL,
+                               "base_url": args.base_url, "versions": versions()}, "runs": {}}
+    error = None
+    try:
+        if args.kernel:
+            run_kernel(args, deadline, report)
+        elif args.offline:
+            run_offline(args, deadline, report)
+        else:
+            asyncio.run(run_online(args, deadline, report))
+    except BenchError as e:
+        error = str(e)
+    except KeyboardInterrupt:
+        error = "interrupted"
+    print_report(report, args)  # whatever was measured, even after an error
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot and report["runs"] and importlib.util.find_spec("matplotlib") is not None:
+        plot(report, args.plot)
+    phases = [(f"{label} c={lv['concurrency']}", lv["metrics"]) for label, run in report["runs"].items()
+              for lv in run["sweep"]]
+    phases += [(f"{label} mixed {g}", run["mixed"][g]) for label, run in report["runs"].items() if run["mixed"]
+               for g in ("short", "long")]
+    failed = [f"{name}: {m['failed']} failed, first: {m['first_error']}" for name, m in phases if m["failed"]]
+    if error or failed:
+        print(f"bench.py: error: {error or 'requests failed: ' + '; '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

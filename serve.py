@@ -1,0 +1,612 @@
+"""HTTP: an OpenAI-compatible server on the standard library, the engine stepping on its own thread.
+
+The engine is not thread-safe, so request threads never touch it: they parse, validate and tokenize,
+post commands to the engine thread's inbox and read results from their own queue. The engine thread
+drains its inbox between steps and only ever puts to unbounded queues, so no client can stall a step."""
+from __future__ import annotations
+
+import argparse
+import hmac
+import itertools
+import json
+import math
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import weights
+from engine import Engine, EngineConfig, RequestOutput, SamplingParams, TokenLogprob
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds, as vLLM's
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ApiError(Exception):
+    """An error the client gets in OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error")
+        return {"error": {"message": str(self), "type": "server_error" if self.status >= 500 else kind,
+                          "param": self.param, "code": self.code}}
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Histogram:
+    """A Prometheus histogram; only the engine thread observes, so it needs no lock."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, upper in enumerate(self.buckets):
+            self.counts[i] += value <= upper  # kept cumulative, as exposed
+
+    def lines(self, name: str, label: str) -> list[str]:
+        return [*(f'{name}_bucket{{{label},le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)),
+                f'{name}_bucket{{{label},le="+Inf"}} {self.count}', f"{name}_sum{{{label}}} {self.sum}",
+                f"{name}_count{{{label}}} {self.count}"]
+
+
+@dataclass
+class Submit:
+    """One HTTP request's lanes (n per prompt), added all together or not at all."""
+    lanes: list[tuple[str, list[int], SamplingParams]]
+    replies: queue.Queue  # first None (accepted) or an ApiError, then RequestOutputs
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Lane:
+    replies: queue.Queue
+    last: float  # when submitted, then when it last produced a token
+    started: bool = False
+
+
+class HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # the default backlog of 5 resets clients that connect all at once
+    block_on_close = False     # stop() must not wait for idle keep-alive connections
+    app: Server
+
+
+class Server:
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 max_queue: int = 1024, timeout: float = 30.0, max_body: int = 8 * 2**20):
+        self.config, self.host, self.port, self.api_key, self.max_queue = config, host, port, api_key, max_queue
+        self.timeout = timeout    # per-connection socket timeout: a stalled client holds only its own thread
+        self.max_body = max_body  # bytes
+        self.engine: Engine | None = None  # set once loaded
+        self.model_names: list[str] = []   # the served name first, then others a request may use
+        self.stats: dict[str, float] = {}  # the engine's, snapshot by its thread: it alone may read the engine
+        self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
+        self._inbox: queue.Queue[Submit | list[str] | None] = queue.Queue()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._httpd: HTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind and serve at once; the model loads on the engine thread (/health answers 503 until then)."""
+        self._httpd = HTTPServer((self.host, self.port), Handler)
+        self._httpd.app = self
+        self.port = self._httpd.server_address[1]
+        self._threads = [threading.Thread(target=self._httpd.serve_forever, name="http", daemon=True),
+                         threading.Thread(target=self._engine_loop, name="engine", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once the model is loaded; RuntimeError if loading failed."""
+        self._ready.wait(timeout)
+        if self._load_error is not None:
+            raise RuntimeError(str(self._load_error)) from self._load_error
+        return self._ready.is_set()
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        self._inbox.put(None)
+        if self._ready.is_set():  # a load in progress cannot be interrupted; its daemon thread dies with us
+            for t in self._threads:
+                t.join(timeout=30)
+
+    def submit(self, item: Submit | list[str]) -> None:
+        """Lanes to add, or request ids to abort; any thread."""
+        self._inbox.put(item)
+
+    def _engine_loop(self) -> None:
+        c = self.config
+        try:
+            engine = Engine(c)
+            path = None if c.dummy_weights else weights.resolve_checkpoint(c.model, c.model_path)
+            self.model_names = list(dict.fromkeys([c.model, *(os.path.basename(p.rstrip("/"))
+                                                              for p in (c.model, path) if p)]))
+            self.stats = engine.stats()
+            self.engine = engine
+        except BaseException as e:  # wait_ready reports it
+            self._load_error = e
+            return
+        finally:
+            self._ready.set()
+        lanes: dict[str, Lane] = {}
+        while True:
+            # Block on the inbox only when idle; with work pending take what is there and step.
+            items = [] if engine.has_unfinished() else [self._inbox.get()]
+            while not self._inbox.empty():
+                items.append(self._inbox.get_nowait())
+            if None in items:
+                break
+            for item in items:
+                if isinstance(item, Submit):
+                    self._add(item, lanes)
+                    continue
+                for rid in item:
+                    engine.abort(rid)
+                    lanes.pop(rid, None)
+            try:
+                outputs = engine.step() if engine.has_unfinished() else []
+            except Exception:  # fail the requests in flight, keep serving
+                traceback.print_exc()
+                for rid, lane in lanes.items():
+                    engine.abort(rid)
+                    lane.replies.put(ApiError(500, "the engine failed on this step; see the server log"))
+                lanes.clear()
+                outputs = []
+            now = time.monotonic()
+            for out in outputs:
+                if (lane := lanes.get(out.request_id)) is None:
+                    continue
+                (self.itl if lane.started else self.ttft).observe(now - lane.last)
+                lane.last, lane.started = now, True
+                lane.replies.put(out)
+                if out.finished:
+                    del lanes[out.request_id]
+            self.stats = engine.stats()
+        for lane in lanes.values():
+            lane.replies.put(ApiError(503, "the server is shutting down"))
+
+    def _add(self, job: Submit, lanes: dict[str, Lane]) -> None:
+        waiting = self.engine.stats()["num_waiting"]
+        if waiting + len(job.lanes) > self.max_queue:
+            job.replies.put(ApiError(429, f"{waiting} requests are waiting (--max-queue {self.max_queue}); "
+                                          "retry later", code="rate_limit_exceeded"))
+            return
+        added: list[str] = []
+        try:
+            for rid, ids, params in job.lanes:
+                added.append(self.engine.add_request(ids, params, rid))
+        except Exception as e:  # ValueError: an impossible request (context, empty prompt, pool too small)
+            for rid in added:
+                self.engine.abort(rid)
+            job.replies.put(ApiError(400 if isinstance(e, ValueError) else 500, str(e)))
+            return
+        lanes.update((rid, Lane(job.replies, job.submitted)) for rid in added)
+        job.replies.put(None)
+
+
+def _get(body: dict, name: str, kind: type, default=None):
+    """body[name] checked against kind with JSON's types (a bool is no number; NaN and Infinity, which
+    Python's json accepts, are none either); null means default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is float and type(value) is int:
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or \
+            (kind is float and not math.isfinite(value)):
+        what = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object"}
+        raise ApiError(400, f"'{name}' must be {what[kind]}", name)
+    return value
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+
+def _chat_prompt(body: dict, engine: Engine) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "\n".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or an array of parts", "messages")
+        # Chat templates know "system"; "developer" is OpenAI's newer name for it.
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""})
+    try:
+        return engine.tokenizer.apply_chat_template(clean)
+    except Exception as e:  # the checkpoint's template refuses the conversation (say, roles out of order)
+        raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from e
+
+
+def _completion_prompts(body: dict, engine: Engine) -> list[list[int]]:
+    prompt = body.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _is_ids(p) for p in prompts):
+        raise ApiError(400, "'prompt' must be a string, an array of strings, or token ids", "prompt")
+    tok, vocab = engine.tokenizer, engine.model_config.vocab_size
+    if any(not 0 <= t < vocab for p in prompts if not isinstance(p, str) for t in p):
+        raise ApiError(400, f"token ids must be in [0, {vocab})", "prompt")
+    try:
+        return [tok.encode(p, add_bos=tok.add_bos_token) if isinstance(p, str) else p for p in prompts]
+    except Exception as e:  # text tiktoken refuses, such as lone surrogates
+        raise ApiError(400, f"cannot tokenize the prompt: {e}", "prompt") from e
+
+
+def _sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: int) -> SamplingParams:
+    """Lane i of the n for one prompt; a seeded request seeds lane i with seed + i."""
+    max_tokens = _get(body, "max_completion_tokens", int) if chat else None
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int)
+    if max_tokens is None:  # OpenAI's defaults: all the room left for chat, 16 for completions
+        room = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
+        max_tokens = max(1, room - prompt_len) if chat else 16
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    # Bounded: the engine thread checks every stop string's prefixes after every token.
+    if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and len(s) <= 256 for s in stop):
+        raise ApiError(400, "'stop' must be a string or an array of at most 16, each at most 256 characters", "stop")
+    if chat:
+        logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool, False) else None
+    else:
+        logprobs = _get(body, "logprobs", int)
+    seed = _get(body, "seed", int)
+    try:
+        return SamplingParams(
+            temperature=_get(body, "temperature", float, 1.0), top_p=_get(body, "top_p", float, 1.0),
+            top_k=_get(body, "top_k", int, 0), min_p=_get(body, "min_p", float, 0.0), max_tokens=max_tokens,
+            seed=None if seed is None else (seed + i) % 2**64, ignore_eos=_get(body, "ignore_eos", bool, False),
+            stop=stop, presence_penalty=_get(body, "presence_penalty", float, 0.0),
+            frequency_penalty=_get(body, "frequency_penalty", float, 0.0), logprobs=logprobs)
+    except ValueError as e:  # the messages read "<field> must be ..."
+        raise ApiError(400, str(e), str(e).split()[0]) from e
+
+
+def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) -> dict | None:
+    """OpenAI's two logprobs shapes: chat's per-token entries, completions' parallel arrays."""
+    if not lps:
+        return None
+    tok = engine.tokenizer
+    if chat:
+        def entry(token_id: int, logprob: float) -> dict:
+            raw = tok.decode_bytes([token_id])
+            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(*t) for t in x.top]}
+                            for x in lps]}
+    tokens = [tok.decode([x.token_id]) for x in lps]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{tok.decode([t]): lp for t, lp in x.top} for x in lps],
+            "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))}
+
+
+def _choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: list[TokenLogprob],
+            reason: str | None, offset: int = 0) -> dict:
+    if not chat:
+        choice = {"index": i, "text": text}
+    elif stream:
+        choice = {"index": i, "delta": {"content": text} if text else {}}
+    else:
+        choice = {"index": i, "message": {"role": "assistant", "content": text}}
+    return {**choice, "logprobs": _logprobs(engine, chat, lps, offset), "finish_reason": reason}
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, which the openai client uses; streams go chunked
+    server_version = "laneserve"
+    server: HTTPServer
+
+    def setup(self) -> None:
+        self.app = self.server.app
+        self.timeout = self.app.timeout
+        super().setup()
+
+    def log_message(self, format: str, *args) -> None:
+        pass  # clients' protocol errors get their answer and idle keep-alive timeouts are routine: no log
+
+    def do_GET(self) -> None:
+        method = self.command
+        try:
+            body = self._read_body() if method == "POST" else b""
+            path = urlsplit(self.path).path
+            if path.startswith("/v1/") and self.app.api_key and not hmac.compare_digest(
+                    self.headers.get("Authorization", "").encode("latin-1"), f"Bearer {self.app.api_key}".encode()):
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+            routes = {("GET", "/health"): self._health, ("GET", "/metrics"): self._metrics,
+                      ("GET", "/v1/models"): self._models,
+                      ("POST", "/v1/chat/completions"): lambda: self._generate(body, chat=True),
+                      ("POST", "/v1/completions"): lambda: self._generate(body, chat=False)}
+            if (route := routes.get((method, path))) is None:
+                raise ApiError(404, f"Invalid URL ({method} {path})")
+            route()
+        except ApiError as e:
+            self._send(e.status, e.body())
+        except (ClientGone, OSError):  # the client left mid-response
+            self.close_connection = True
+
+    do_POST = do_GET
+
+    def _read_body(self) -> bytes:
+        length = int(n) if (n := self.headers.get("Content-Length", "")).isdecimal() else -1
+        if not 0 <= length <= self.app.max_body or "Transfer-Encoding" in self.headers:
+            self.close_connection = True  # the unread body would be taken for the next request
+            if length > self.app.max_body:
+                raise ApiError(413, f"the request body is over {self.app.max_body} bytes")
+            raise ApiError(411, "a request body needs a valid Content-Length")
+        try:
+            return self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            raise ApiError(408, f"timed out after {self.app.timeout:g}s reading the request body") from None
+
+    def _send(self, status: int, obj: dict | str, content_type: str = "application/json") -> None:
+        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _engine(self) -> Engine:
+        if self.app.engine is None:
+            raise ApiError(503, "the model is still loading")
+        return self.app.engine
+
+    def _health(self) -> None:
+        self._engine()
+        self._send(200, {"status": "ok"})
+
+    def _models(self) -> None:
+        max_model_len = self._engine().max_model_len
+        self._send(200, {"object": "list", "data": [{"id": self.app.model_names[0], "object": "model",
+                                                      "created": int(time.time()), "owned_by": "laneserve",
+                                                      "max_model_len": max_model_len}]})
+
+    def _metrics(self) -> None:
+        app, s, lines = self.app, self.app.stats, []
+        label = f'model_name="{app.model_names[0] if app.model_names else app.config.model}"'
+        for name, kind, key, text in [
+                ("num_requests_running", "gauge", "num_running", "Requests in the running batch."),
+                ("num_requests_waiting", "gauge", "num_waiting", "Requests waiting to be scheduled."),
+                ("num_requests_swapped", "gauge", "num_swapped", "Requests swapped out to host memory."),
+                ("kv_cache_usage_perc", "gauge", "kv_usage", "Fraction of KV blocks in use (1 = full)."),
+                ("num_preemptions_total", "counter", "num_preemptions", "Preemptions since start."),
+                ("prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens computed."),
+                ("generation_tokens_total", "counter", "generation_tokens", "Tokens generated."),
+                ("prefix_cache_queries_total", "counter", "prefix_cache_queries", "Prompt tokens looked up."),
+                ("prefix_cache_hits_total", "counter", "prefix_cache_hits", "Prompt tokens found cached.")]:
+            lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} {kind}",
+                      f"vllm:{name}{{{label}}} {s.get(key, 0)}"]
+        for name, hist, text in [("time_to_first_token_seconds", app.ttft, "Time to first token."),
+                                 ("inter_token_latency_seconds", app.itl, "Time between tokens.")]:
+            lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
+        self._send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4; charset=utf-8")
+
+    def _next(self, replies: queue.Queue) -> RequestOutput | None:
+        """The next reply, checking before each wait whether the client closed its socket: readable yet
+        empty means it did (a pipelined request would make it readable, but not empty)."""
+        while True:
+            try:
+                sock = self.connection
+                gone = select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK)
+            except OSError:
+                gone = True
+            if gone:
+                raise ClientGone
+            try:
+                item = replies.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, ApiError):
+                raise item
+            return item
+
+    def _event(self, obj: dict | str) -> None:
+        """One server-sent event, as one chunk of the chunked body."""
+        data = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+    def _generate(self, raw: bytes, chat: bool) -> None:
+        engine = self._engine()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # bad JSON, invalid UTF-8, hostile nesting
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        model = _get(body, "model", str, self.app.model_names[0])
+        if model not in self.app.model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        n = _get(body, "n", int, 1)
+        if not 1 <= n <= 128:
+            raise ApiError(400, "'n' must be in [1, 128]", "n")
+        stream = _get(body, "stream", bool, False)
+        usage_chunk = stream and _get(_get(body, "stream_options", dict, {}), "include_usage", bool, False)
+        prompts = [_chat_prompt(body, engine)] if chat else _completion_prompts(body, engine)
+        job = Submit([(uuid.uuid4().hex, ids, _sampling_params(body, chat, len(ids), engine, i))
+                      for ids in prompts for i in range(n)], queue.Queue())
+        index = {rid: i for i, (rid, _, _) in enumerate(job.lanes)}
+        outputs: list[list[RequestOutput]] = [[] for _ in index]
+        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                "model": self.app.model_names[0],
+                "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"}
+
+        def chunk(choices: list[dict]) -> dict:
+            return {**head, "choices": choices, **({"usage": None} if usage_chunk else {})}
+
+        self.app.submit(job)
+        streaming = False  # once a stream's headers are out, errors go into the stream
+        try:
+            if (refusal := self._next(job.replies)) is not None:
+                raise refusal
+            if stream:
+                self.send_response(200)
+                for header in [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                               ("Transfer-Encoding", "chunked")]:
+                    self.send_header(*header)
+                self.end_headers()
+                streaming = True
+            while not all(o and o[-1].finished for o in outputs):
+                out = self._next(job.replies)
+                i, before = index[out.request_id], outputs[index[out.request_id]]
+                lps = [out.logprob] if out.logprob is not None else []
+                if stream and chat and not before:  # OpenAI opens each choice with its role
+                    self._event(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]))
+                if stream and (out.delta or lps or out.finished):
+                    offset = len(before[-1].text) if before else 0
+                    self._event(chunk([_choice(engine, chat, True, i, out.delta, lps, out.finish_reason, offset)]))
+                before.append(out)
+            prompt, completion = sum(map(len, prompts)), sum(len(o[-1].token_ids) for o in outputs)
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            if usage_chunk:
+                self._event({**head, "choices": [], "usage": usage})
+            elif not stream:
+                self._send(200, {**head, "usage": usage, "choices": [
+                    _choice(engine, chat, False, i, o[-1].text, [x.logprob for x in o if x.logprob is not None],
+                            o[-1].finish_reason) for i, o in enumerate(outputs)]})
+        except ApiError as e:
+            if not streaming:
+                raise
+            self._event(e.body())
+        finally:
+            if unfinished := [rid for rid, i in index.items() if not (outputs[i] and outputs[i][-1].finished)]:
+                self.app.submit(unfinished)  # the client left or the request failed: free its KV now
+        if streaming:
+            self._event("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")  # one line, not the usage block
+
+
+def _number(kind: type, low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: kind within [low, high] ((low, high] with low_open)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if not (low < value if low_open else low <= value) or value > high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range {'(' if low_open else '['}{low}, {high}]")
+        return value
+    return parse
+
+
+def _parser() -> ArgumentParser:
+    d = EngineConfig()
+    p = ArgumentParser(prog="serve.py", description="OpenAI-compatible server: POST /v1/chat/completions, "
+                       "/v1/completions; GET /v1/models, /health, /metrics (Prometheus).")
+    a = p.add_argument
+    a("--model", default=d.model, help=f"preset ({', '.join(weights.PRESETS)}), HF repo id or checkpoint path "
+                                       f"(default {d.model})")
+    a("--model-path", help="checkpoint for --model: a .gguf file, or a Hugging Face or Meta directory")
+    a("--dummy-weights", action="store_true", help="random weights in the preset's shapes (for benchmarking)")
+    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    a("--port", type=_number(int, 0, 65535), default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    a("--api-key", default=os.environ.get("LANESERVE_API_KEY"),
+      help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)")
+    a("--max-queue", type=_number(int, 1), default=1024, help="requests waiting beyond this get 429 (default 1024)")
+    a("--max-num-seqs", type=_number(int, 1), default=d.max_num_seqs,
+      help=f"most requests in one batch (default {d.max_num_seqs})")
+    a("--max-num-batched-tokens", type=_number(int, 1), default=d.max_num_batched_tokens,
+      help=f"tokens one step may compute: prefill chunks plus decodes (default {d.max_num_batched_tokens})")
+    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill,
+      help="split long prompts across steps so running requests keep decoding (default on)")
+    a("--gpu-memory-utilization", type=_number(float, 0, 1, low_open=True), default=d.gpu_memory_utilization,
+      help=f"share of GPU memory to use; the KV pool gets what the model leaves (default {d.gpu_memory_utilization})")
+    a("--kv-cache-memory", type=_number(float, 0, low_open=True), default=d.kv_cache_memory,
+      help=f"GiB for the KV pool on CPU (default {d.kv_cache_memory:g})")
+    a("--block-size", type=_number(int, 1), default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
+    a("--num-kv-blocks", type=_number(int, 1), help="exact KV pool size in blocks, overriding the memory knobs")
+    a("--max-model-len", type=_number(int, 1), help="context length, prompt plus output (default: the model's)")
+    a("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode,
+      help="when KV runs out: drop a request's KV and recompute it later, or swap it to host memory")
+    a("--swap-space", type=_number(float, 0), default=d.swap_space,
+      help=f"GiB of host memory for swapped-out KV (default {d.swap_space:g})")
+    a("--enable-prefix-caching", action="store_true", help="share the KV of identical prompt prefixes")
+    a("--scheduling", choices=["continuous", "static"], default=d.scheduling,
+      help="continuous (iteration-level) batching, or static (request-level) for comparison")
+    a("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype,
+      help="weights and KV dtype (default auto: bfloat16 on CUDA, float32 on CPU)")
+    a("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default auto: CUDA when available)")
+    a("--seed", type=_number(int, 0), default=d.seed, help=f"seeds requests that bring none (default {d.seed})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)})
+    server = Server(config, args.host, args.port, args.api_key, args.max_queue)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"laneserve: loading {args.model} (/health answers 503 until it is ready) ...", file=sys.stderr)
+    began = time.monotonic()
+    try:
+        server.start()
+    except OSError as e:
+        print(f"serve.py: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    try:
+        while not stop.is_set() and not server.wait_ready(0.5):
+            pass
+    except RuntimeError as e:
+        server.stop()
+        print(f"serve.py: error: {e}", file=sys.stderr)
+        return 1
+    if not stop.is_set():
+        e, bm = server.engine, server.engine.block_manager
+        kv_tokens = bm.num_blocks * bm.block_size
+        print(f"laneserve: {server.model_names[0]} on {e.device} {str(e.dtype).removeprefix('torch.')}, "
+              f"KV {bm.num_blocks} blocks = {kv_tokens} tokens, max concurrency {config.max_num_seqs} requests "
+              f"({kv_tokens / e.max_model_len:.2f}x at the full {e.max_model_len}-token context), "
+              f"ready in {time.monotonic() - began:.1f}s, serving {server.url}", file=sys.stderr)
+        stop.wait()
+    print("laneserve: stopping", file=sys.stderr)
+    if server.engine is None:
+        # torch cannot be interrupted mid-load, and finalizing the interpreter under it aborts the process.
+        sys.stderr.flush()
+        os._exit(0)
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Tests of attention_cuda: the pure-PyTorch reference against a naive float64 loop (CPU), the CUDA
+sources against the compilers (needs nvcc, no GPU), and the kernel against the reference (GPU)."""
+import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+import attention_cuda
+from attention_cuda import paged_attention, paged_attention_varlen, store_kv
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEVICE = "cuda"  # where the kernel tests put their tensors
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+# helpers
+
+def make_batch(seed, lanes, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
+               q_scale=2.0, extra_columns=2):
+    """A random paged cache and a flattened batch of lanes, each lane (context_len, q_len), on the
+    CPU. Blocks are handed out in shuffled order (so no lane's blocks are contiguous or in order),
+    some blocks belong to no lane, and unused block-table entries are 0, as the engine leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(ctx / block_size) for ctx, _ in lanes]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(lanes), max(need) + extra_columns, dtype=torch.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    q_lens = [n for _, n in lanes]
+    query = (torch.randn(sum(q_lens), num_heads, head_dim, generator=g) * q_scale).to(dtype)
+    context_lens = torch.tensor([ctx for ctx, _ in lanes], dtype=torch.int32)
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return query, k_cache, v_cache, tables, context_lens, query_start_loc
+
+
+def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    """Lane by lane, token by token through the block table, softmax written out, in float64."""
+    block_size, group = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for i in range(len(context_lens)):
+        start, end, ctx = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(context_lens[i])
+        slots = [(int(block_tables[i, t // block_size]), t % block_size) for t in range(ctx)]
+        keys = torch.stack([k_cache[b, o] for b, o in slots]).double()  # [ctx, kv_heads, dim]
+        values = torch.stack([v_cache[b, o] for b, o in slots]).double()
+        for row in range(start, end):
+            pos = ctx - (end - start) + (row - start)  # this query token's position; it sees 0..pos
+            for h in range(query.shape[1]):
+                logits = keys[:pos + 1, h // group] @ query[row, h].double() * scale
+                w = torch.exp(logits - logits.max())
+                out[row, h] = (w / w.sum()) @ values[:pos + 1, h // group]
+    return out
+
+
+def reference_decode(query, k_cache, v_cache, block_tables, context_lens, scale):
+    """The reference decode on CPU in float32, one lane at a time to bound memory on long contexts."""
+    q, k, v = query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu()
+    tables, lens = block_tables.cpu(), context_lens.cpu()
+    return torch.cat([paged_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], scale)
+                      for i in range(len(lens))])
+
+
+# the reference, on CPU
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_reference_varlen_matches_naive(group, block_size):
+    # Decode lanes, whole prompts, and prefill chunks with earlier context, in mixed order; contexts
+    # ending mid-block and exactly on a block boundary.
+    lanes = [(1, 1), (37, 1), (7, 7), (50, 9), (2 * block_size, 1), (block_size + 1, block_size + 1),
+             (70, 16), (block_size - 1, 1), (3 * block_size, block_size)]
+    head_dim = 128 if group == 4 else 64
+    batch = make_batch(group * 10 + block_size, lanes, 2 * group, 2, head_dim, block_size)
+    scale = head_dim ** -0.5
+    out = paged_attention_varlen(*batch, scale)
+    expected = naive_attention(*batch, scale)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_reference_decode_matches_naive():
+    lanes = [(1, 1), (16, 1), (17, 1), (100, 1), (63, 1)]  # SmolLM2-135M shapes: 9 heads over 3 KV heads
+    query, k_cache, v_cache, tables, lens, starts = make_batch(7, lanes, 9, 3, 64, 16)
+    out = paged_attention(query, k_cache, v_cache, tables, lens, 0.125)
+    expected = naive_attention(query, k_cache, v_cache, tables, lens, starts, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_store_kv_exact_and_skips_padding():
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 6, 16, 3, 64, generator=g)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    key, value = torch.randn(2, 10, 3, 64, generator=g)
+    slots = torch.randperm(6 * 16, generator=g)[:10]
+    slots[[2, 5, 9]] = -1
+    store_kv(key, value, k_cache, v_cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_before[slot // 16, slot % 16] = key[t]
+            v_before[slot // 16, slot % 16] = value[t]
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+
+
+# the CUDA sources compile (no GPU needed)
+
+def _run(cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+
+
+# The flags torch's own build uses: C++20 and its NVCC defines (no implicit half/bfloat16 conversions).
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_kernel_compiles_for_sm80_and_sm90(tmp_path):
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    _run(["nvcc", "-O3", "-std=c++20", *COMMON_NVCC_FLAGS, "-gencode", "arch=compute_80,code=sm_80",
+          "-gencode", "arch=compute_90,code=sm_90", "-c", "attention_cuda/paged_attention.cu",
+          "-o", str(tmp_path / "paged_attention.o")])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_binding_compiles_against_torch_headers():
+    from torch.utils.cpp_extension import include_paths
+    python_include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(python_include, "Python.h")):
+        pytest.skip(f"no Python.h in {python_include}")
+    includes = [a for p in include_paths() + [python_include] for a in ("-isystem", p)]
+    _run([os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=laneserve_attention",
+          "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+          *includes, "attention_cuda/binding.cpp"])
+
+
+# the kernel against the reference (GPU)
+
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-3),  # fp32 math, different summation order
+             torch.float16: dict(atol=1e-3, rtol=3e-3),  # plus rounding of the output
+             torch.bfloat16: dict(atol=2e-3, rtol=1.2e-2)}
+
+
+def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2):
+    query, k_cache, v_cache, tables, context_lens, _ = make_batch(
+        seed, [(n, 1) for n in lens], num_heads, num_kv_heads, head_dim, block_size, dtype,
+        extra_columns=extra_columns)
+    scale = head_dim ** -0.5
+    args = [t.to(DEVICE) for t in (query, k_cache, v_cache, tables, context_lens)]
+    out = attention_cuda.cuda_paged_attention(*args, scale)
+    assert out.shape == query.shape and out.dtype == dtype and out.device == args[0].device
+    expected = reference_decode(query, k_cache, v_cache, tables, context_lens, scale)
+    torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
+
+
+@requires_cuda
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (32, 8), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_kernel_matches_reference(dtype, head_dim, heads, block_size):
+    # Contexts ending mid-block, on block and partition (512) boundaries, and several partitions.
+    lens = [1, block_size - 1, block_size, block_size + 1, 100, 511, 512, 513, 1300]
+    check_kernel(block_size + head_dim, lens, *heads, head_dim, block_size, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64)], ids=["llama3-8b", "smollm2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_kernel_contexts_up_to_8192(dtype, shape):
+    lens = [1, 2, 15, 16, 17, 255, 511, 512, 513, 1023, 1025, 2000, 4095, 4097, 8191, 8192]
+    check_kernel(1, lens, *shape, 16, dtype)
+
+
+@requires_cuda
+def test_kernel_long_contexts_use_partitions():
+    # Tables addressing 131072 tokens: 64 splits, so a split covers max(512, len / 64) tokens; at
+    # 40000 and 131072 tokens they are 625 and 2048 long, starting mid-block.
+    check_kernel(2, [1, 32768, 40000, 131072], 8, 2, 128, 16, torch.bfloat16)
+
+
+@requires_cuda
+def test_kernel_strided_query_and_empty_lane():
+    # The query as a view into a fused QKV projection output; a padding lane (context 0) gives zeros.
+    query, k_cache, v_cache, tables, lens, _ = make_batch(3, [(40, 1), (700, 1), (1, 1)], 9, 3, 64, 16, torch.bfloat16)
+    lens[2] = 0
+    qkv = torch.randn(3, 15, 64, dtype=torch.bfloat16)
+    qkv[:, :9] = query
+    out = attention_cuda.cuda_paged_attention(qkv.to(DEVICE)[:, :9], k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                              tables.to(DEVICE), lens.to(DEVICE), 0.125)
+    expected = reference_decode(query[:2], k_cache, v_cache, tables[:2], lens[:2], 0.125)
+    torch.testing.assert_close(out[:2].float().cpu(), expected, **TOLERANCE[torch.bfloat16])
+    assert bool((out[2] == 0).all())
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_kernel_store_kv_exact(dtype):
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = torch.randn(2, 9, 16, 8, 128, generator=g).to(dtype)
+    qkv = torch.randn(20, (32 + 16) * 128, generator=g).to(dtype)  # fused projection: rows are strided
+    key, value = qkv[:, 32 * 128:40 * 128].view(20, 8, 128), qkv[:, 40 * 128:].view(20, 8, 128)
+    slots = torch.randperm(9 * 16, generator=g)[:20]
+    slots[::4] = -1
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv(key, value, expected_k, expected_v, slots)
+    k_dev, v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    attention_cuda.cuda_store_kv(key.to(DEVICE), value.to(DEVICE), k_dev, v_dev, slots.to(DEVICE))
+    assert torch.equal(k_dev.cpu(), expected_k) and torch.equal(v_dev.cpu(), expected_v)
+
+
+@requires_cuda
+def test_kernel_argument_errors():
+    query, k_cache, v_cache, tables, lens, _ = make_batch(5, [(20, 1), (3, 1)], 4, 2, 64, 16)
+    q, k, v, t, n = (x.to(DEVICE) for x in (query, k_cache, v_cache, tables, lens))
+    attention = attention_cuda.cuda_paged_attention
+    cases = [
+        (lambda: attention(q.double(), k, v, t, n, 1.0), "unsupported dtype"),
+        (lambda: attention(q.half(), k, v, t, n, 1.0), "dtype must match"),
+        (lambda: attention(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), t, n, 1.0),
+         "head_dim must be 64 or 128"),
+        (lambda: attention(q, k[:4].reshape(1, 64, 2, 64), v[:4].reshape(1, 64, 2, 64), t, n, 1.0),
+         "block_size must be 8, 16 or 32"),
+        (lambda: attention(q[:, :3], k, v, t, n, 1.0), "multiple of num_kv_heads"),
+        (lambda: attention(q, k.transpose(0, 1), v.transpose(0, 1), t, n, 1.0), "contiguous"),
+        (lambda: attention(q, k, v, t.long(), n, 1.0), "block_tables must be contiguous int32"),
+        (lambda: attention(q, k, v, t, n.long(), 1.0), "context_lens must be contiguous int32"),
+        (lambda: attention(q, k, v, t[:1], n, 1.0), "block_tables must be"),
+        (lambda: attention(q, k, v, t.cpu(), n, 1.0), "must be a CUDA tensor"),
+        (lambda: attention(q.cpu(), k, v, t, n, 1.0), "must be a CUDA tensor"),
+        (lambda: attention_cuda.cuda_store_kv(q[:, :2], q[:, :2], k, v, torch.zeros(2, dtype=torch.int32,
+                                                                                     device=q.device)),
+         "slot_mapping must be contiguous int64"),
+        (lambda: attention_cuda.cuda_store_kv(q[:, :3], q[:, :3], k, v, torch.zeros(2, dtype=torch.int64,
+                                                                                    device=q.device)),
+         "key/value must be"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+@requires_cuda
+def test_kernel_replays_in_cuda_graph():
+    # Decode on GPU runs under CUDA graphs: no host sync or host-side read of the inputs may hide
+    # in the call, and a replay must see the inputs' new contents.
+    query, k_cache, v_cache, tables, lens, _ = make_batch(6, [(30, 1), (900, 1), (5, 1)], 32, 8, 128, 16,
+                                                          torch.bfloat16)
+    q, k, v, t, n = (x.to(DEVICE) for x in (query, k_cache, v_cache, tables, lens))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1)  # warm-up (and build) outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1)
+    new_query = torch.randn(query.shape).to(torch.bfloat16)
+    new_lens = torch.tensor([31, 517, 1], dtype=torch.int32)
+    q.copy_(new_query)
+    n.copy_(new_lens)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference_decode(new_query, k_cache, v_cache, tables, new_lens, 0.1)
+    torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[torch.bfloat16])
+
+
+@requires_cuda
+def test_reference_runs_on_cuda_tensors():
+    # model.py runs prefill through the reference on the GPU: same result as on CPU.
+    lanes = [(1, 1), (37, 1), (50, 9), (7, 7)]
+    batch = make_batch(8, lanes, 6, 2, 64, 16)
+    expected = paged_attention_varlen(*batch, 0.125)
+    out = paged_attention_varlen(*(t.to(DEVICE) for t in batch), 0.125)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-3, rtol=2e-3)
+    decode = make_batch(9, [(1, 1), (37, 1)], 6, 2, 64, 16)[:5]
+    torch.testing.assert_close(paged_attention(*(t.to(DEVICE) for t in decode), 0.125).cpu(),
+                               paged_attention(*decode, 0.125), atol=2e-3, rtol=2e-3)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

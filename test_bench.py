@@ -1,0 +1,171 @@
+"""bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, --kernel on CPU, --base-url
+against a stub OpenAI server (usage checked, time limit honoured), and bad arguments."""
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from bench import main
+
+SMALL = ["--dummy-weights", "--num-kv-blocks", "64", "--torch-threads", "1"]
+
+
+def run(argv: list[str], tmp_path, capsys) -> tuple[int, dict, str, str]:
+    path = tmp_path / "out.json"
+    rc = main([*argv, "--json", str(path)])
+    out, err = capsys.readouterr()
+    return rc, json.loads(path.read_text()), out, err
+
+
+def test_sweep_and_mixed_probe(tmp_path, capsys):
+    rc, report, out, err = run([*SMALL, "--concurrency", "1", "2", "--max-tokens", "4", "--requests-per-client", "1",
+                                "--mixed-long", "16", "--mixed-short", "2", "--mixed-num-short", "2",
+                                "--mixed-num-long", "1", "--warmup", "1", "--slo-ttft", "1e6", "--slo-itl", "1e6"],
+                               tmp_path, capsys)
+    assert rc == 0, err
+    run_ = report["runs"]["continuous"]
+    assert [lv["concurrency"] for lv in run_["sweep"]] == [1, 2]
+    for lv in run_["sweep"]:
+        m, c = lv["metrics"], lv["concurrency"]
+        assert not lv["partial"] and m["completed"] == c and m["failed"] == 0
+        assert m["total_output_tokens"] == 4 * c and m["total_input_tokens"] > 0
+        assert m["output_throughput"] > 0 and m["request_throughput"] > 0
+        assert 0 < m["p50_ttft_ms"] <= m["p99_ttft_ms"] <= m["p99_e2el_ms"]
+        assert m["mean_itl_ms"] > 0 and m["mean_tpot_ms"] > 0 and m["goodput"] == m["request_throughput"]
+        assert [r["output_tokens"] for r in lv["requests"]] == [4] * c
+    assert run_["goodput"]["concurrency"] == 2
+    mixed = run_["mixed"]
+    assert mixed["short"]["completed"] == 2 and mixed["long"]["completed"] == 1
+    assert mixed["short_before_first_long"] == 1.0  # continuous batching: a 2-token request leaves at once
+    cfg = report["config"]
+    assert cfg["engine"]["continuous"]["device"] == "cpu" and cfg["versions"]["torch"]
+    for label in ("Output token throughput (tok/s)", "P95 TTFT (ms)", "Mean ITL (ms)", "P99 TPOT (ms)",
+                  "P50 E2EL (ms)", "Short finished before first long (%)", "Goodput [continuous]"):
+        assert label in out
+
+
+def test_offline(tmp_path, capsys):
+    rc, report, out, err = run([*SMALL, "--offline", "--num-prompts", "3", "--min-len", "4", "--max-len", "8"],
+                               tmp_path, capsys)
+    assert rc == 0, err
+    o = report["offline"]
+    assert o["finished"] == 3 and not o["partial"]
+    assert o["output_tokens"] == o["requested_output_tokens"] == sum(o["output_lens"])
+    assert all(4 <= n <= 8 for n in o["prompt_lens"] + o["output_lens"]) and o["output_throughput"] > 0
+    assert "Offline: 3/3 sequences" in out
+
+
+def test_kernel_mode_on_cpu_times_the_reference(tmp_path, capsys):
+    rc, report, out, err = run(["--kernel", "--device", "cpu", "--kernel-batches", "1", "2",
+                                "--kernel-contexts", "32"], tmp_path, capsys)
+    assert rc == 0, err
+    assert [(r["batch"], r["context"]) for r in report["kernel"]] == [(1, 32), (2, 32)]
+    assert all(r["reference_ms"] > 0 and r["reference_gbps"] > 0 and "kernel_ms" not in r for r in report["kernel"])
+
+
+class Stub(BaseHTTPRequestHandler):
+    """A minimal OpenAI chat server: streams `max_tokens - short` one-character chunks, `delay` s apart."""
+    short, delay = 0, 0.0
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._json({"object": "list", "data": [{"id": "stub", "object": "model", "created": 0, "owned_by": "x"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] and body["stream_options"]["include_usage"] and body["ignore_eos"]
+        n = body["max_tokens"] - self.short
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "stub"}
+        try:
+            for i in range(n):
+                time.sleep(self.delay)
+                self._event({**head, "choices": [{"index": 0, "delta": {"content": "a"},
+                                                  "finish_reason": "length" if i == n - 1 else None}]})
+            self._event({**head, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n,
+                                                          "total_tokens": 7 + n}})
+            self.wfile.write(b"data: [DONE]\n\n")
+        except OSError:  # the client gave up (time limit)
+            pass
+
+    def _event(self, obj: dict) -> None:
+        self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+        self.wfile.flush()
+
+    def _json(self, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def stub():
+    servers = []
+
+    def start(short: int = 0, delay: float = 0.0) -> str:
+        handler = type("Handler", (Stub,), {"short": short, "delay": delay})
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        return f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield start
+    for httpd in servers:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_base_url_gives_the_same_table(stub, tmp_path, capsys):
+    rc, report, out, err = run(["--base-url", stub(), "--concurrency", "1", "4", "--max-tokens", "5",
+                                "--mixed-long", "6", "--mixed-num-short", "3"], tmp_path, capsys)
+    assert rc == 0, err
+    sweep = report["runs"]["remote"]["sweep"]
+    assert [lv["metrics"]["total_output_tokens"] for lv in sweep] == [10, 40]
+    assert report["config"]["served_model"] == "stub" and "Output token throughput (tok/s)" in out
+
+
+def test_token_count_disagreeing_with_the_request_fails_loudly(stub, tmp_path, capsys):
+    rc, report, out, err = run(["--base-url", stub(short=1), "--max-tokens", "5"], tmp_path, capsys)
+    assert rc == 1 and "usage says 4" in err and err.count("\n") == 1
+
+
+def test_unreachable_server_is_one_line(tmp_path, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, report, out, err = run(["--base-url", f"http://127.0.0.1:{port}"], tmp_path, capsys)
+    assert rc == 1 and err.startswith("bench.py: error: cannot list the models") and err.count("\n") == 1
+
+
+def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, capsys):
+    began = time.monotonic()
+    rc, report, out, err = run(["--base-url", stub(delay=0.05), "--concurrency", "2", "--max-tokens", "1000",
+                                "--warmup", "0", "--mixed-num-short", "0", "--time-limit", "2"], tmp_path, capsys)
+    assert rc == 0 and time.monotonic() - began < 10, err
+    lv = report["runs"]["remote"]["sweep"][0]
+    assert lv["partial"] and lv["metrics"]["completed"] == 0 and lv["metrics"]["total_output_tokens"] > 10
+    assert lv["metrics"]["p50_itl_ms"] >= 40 and "partial" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "0"], "argument --concurrency: 0 must be finite and > 0"),
+    (["--offline", "--base-url", "http://x"], "separate modes"),
+    (["--base-url", "http://x", "--compare-static"], "--compare-static needs the in-process server"),
+    (["--max-num-batched-tokens", "4"], "max_num_batched_tokens (4) must be at least one block"),
+    (["--min-len", "9", "--max-len", "8"], "--min-len (9) is above --max-len (8)"),
+])
+def test_bad_arguments_give_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("bench.py: error: ") and message in err and err.count("\n") == 1

@@ -1,0 +1,146 @@
+"""The scheduler under pressure: preemption (recompute and swap), prefix caching, static mode,
+stop strings, logprobs and configuration checks, all through the real engine."""
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+         "every jolly sphinx of black quartz near my river bank").split()
+
+
+def make_prompts(llm, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [llm.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))))
+            for _ in range(n)]
+
+
+def run(llm, prompts, params) -> list[list[int]]:
+    outs = llm.generate(prompts, params)
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)  # nothing leaked
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    return LLM(num_kv_blocks=512, max_num_batched_tokens=256, dtype="float32", device="cpu")
+
+
+def lengths_params(n: int, seed: int = 1) -> list[SamplingParams]:
+    rng = random.Random(seed)
+    return [SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs(roomy, mode):
+    prompts = make_prompts(roomy, 32)
+    params = lengths_params(32)
+    expected = run(roomy, prompts, params)
+    # 12 blocks of 16 tokens: room for only a few lanes at once.
+    tight = LLM(num_kv_blocks=12, max_num_batched_tokens=256, preemption_mode=mode, swap_space=0.01,
+                dtype="float32", device="cpu")
+    assert run(tight, prompts, params) == expected
+    assert tight.stats()["num_preemptions"] > 0
+    assert tight.block_manager.num_free_blocks == 12
+    if mode == "swap":
+        swap = tight.scheduler.swap_space
+        assert swap.num_free_blocks == swap.num_blocks
+
+
+def test_request_that_can_never_fit_is_rejected():
+    tiny = LLM(num_kv_blocks=4, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="KV blocks"):
+        tiny.add_request(list(range(60)), SamplingParams(max_tokens=10))
+    assert not tiny.has_unfinished()
+
+
+@pytest.mark.parametrize("num_kv_blocks", [512, 40])
+def test_prefix_caching(roomy, num_kv_blocks):
+    system = roomy.tokenizer.encode(" ".join(WORDS * 6))[:160]  # ten full blocks
+    prompts = [system + p for p in make_prompts(roomy, 16, seed=7)]
+    params = lengths_params(16, seed=3)
+    expected = run(roomy, prompts, params)
+    cached = LLM(num_kv_blocks=num_kv_blocks, max_num_batched_tokens=256, enable_prefix_caching=True,
+                 dtype="float32", device="cpu")
+    first = cached.generate(prompts[:1], params[:1])[0]
+    rest = cached.generate(prompts[1:], params[1:])
+    assert [o.token_ids for o in [first] + rest] == expected
+    assert first.num_cached_tokens == 0
+    if num_kv_blocks == 512:
+        assert all(o.num_cached_tokens >= len(system) for o in rest)
+    else:  # a pool this small forces preemption while cached blocks are shared
+        assert cached.stats()["num_preemptions"] > 0
+        assert sum(o.num_cached_tokens for o in rest) >= len(system)
+    stats = cached.stats()
+    assert stats["prefix_cache_hits"] >= sum(o.num_cached_tokens for o in rest)
+    bm = cached.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+
+
+def test_static_vs_continuous_mixed_workload(roomy):
+    prompts = make_prompts(roomy, 16, seed=5)
+    params = ([SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 8
+              + [SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)] * 8)
+    order = {}
+    for mode in ("continuous", "static"):
+        engine = roomy if mode == "continuous" else LLM(
+            num_kv_blocks=512, max_num_batched_tokens=256, scheduling="static", max_num_seqs=8,
+            dtype="float32", device="cpu")
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        finished_at, step = {}, 0
+        while engine.has_unfinished():
+            step += 1
+            for o in engine.step():
+                if o.finished:
+                    finished_at[o.request_id] = step
+        order[mode] = [finished_at[i] for i in ids]
+    short, long = order["continuous"][:8], order["continuous"][8:]
+    assert max(short) < min(long)
+    # Static, 8 lanes per batch, in arrival order: the shorts form batch one and finish
+    # together; every short would wait for its batch's longest lane if mixed with longs.
+    short, long = order["static"][:8], order["static"][8:]
+    assert len(set(short)) == 1 and min(long) > max(short)
+    mixed = LLM(num_kv_blocks=512, max_num_batched_tokens=256, scheduling="static", max_num_seqs=16,
+                dtype="float32", device="cpu")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 64, 64)]
+    ids = [mixed.add_request(p, sp) for p, sp in zip(prompts[:4], params)]
+    finished_at, step = {}, 0
+    while mixed.has_unfinished():
+        step += 1
+        finished_at.update({o.request_id: step for o in mixed.step() if o.finished})
+    assert len({finished_at[i] for i in ids}) == 1  # the 8-token requests waited for the 64-token ones
+
+
+def test_stop_string_across_tokens(roomy):
+    prompt = roomy.tokenizer.apply_chat_template([{"role": "user", "content": "Write two sentences about the ocean."}])
+    free = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+    pieces = [roomy.tokenizer.decode([t]) for t in free.token_ids]
+    # A stop string made of the end of one token and the start of the next.
+    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1].strip())
+    stop = pieces[i][-1:] + pieces[i + 1][:2]
+    cut = free.text.index(stop)
+    out = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:cut]
+
+
+def test_logprobs(roomy):
+    outs = []
+    rid = roomy.add_request("The capital of France is", SamplingParams(temperature=0, max_tokens=5, logprobs=3))
+    while roomy.has_unfinished():
+        outs += [o for o in roomy.step() if o.request_id == rid]
+    for o in outs:
+        lp = o.logprob
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the most likely
+        assert lp.top[0][1] == pytest.approx(lp.logprob) and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob <= 0
+
+
+@pytest.mark.parametrize("bad", [dict(block_size=12), dict(max_num_batched_tokens=8), dict(max_model_len=10**6),
+                                 dict(num_kv_blocks=-1), dict(max_num_seqs=0), dict(scheduling="fifo"),
+                                 dict(preemption_mode="drop"), dict(kv_cache_memory=-1)])
+def test_impossible_config_rejected(bad):
+    with pytest.raises(ValueError):
+        LLM(device="cpu", **bad)

@@ -1,0 +1,433 @@
+"""serve.py through HTTP: the official openai client (sync and async), SSE shape, usage, n, seeds, stop
+strings, logprobs; 64 concurrent streams with disconnects; hostile inputs; continuous batching seen from
+outside; the CLI. One in-process server on loopback serves most tests."""
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import torch
+
+import weights
+from engine import EngineConfig
+from serve import Server, main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as in the server fixture
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # One intra-op thread: on a busy 2-core box torch's pool keeps waiting for descheduled workers, and
+    # these tests (about HTTP, not speed) took several times longer with two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    s = Server(EngineConfig(num_kv_blocks=512, device="cpu", dtype="float32"), port=0)
+    s.start()
+    s.while_loading = [request(s, "GET", "/health")[0], request(s, "GET", "/v1/models")[0],
+                       request(s, "POST", "/v1/chat/completions", VALID)[0]]
+    assert s.wait_ready(300)
+    yield s
+    s.stop()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def engine_drained(request):
+    """Every test leaves no lane running and no KV in use (aborts included)."""
+    yield
+    if "server" in request.fixturenames:
+        server = request.getfixturevalue("server")
+        m = wait_metrics(server, lambda m: m["num_requests_running"] == m["num_requests_waiting"] == 0
+                         and m["kv_cache_usage_perc"] == 0)
+        assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0, m
+
+
+def request(server, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    out = r.status, r.read()
+    conn.close()
+    return out
+
+
+def metrics(server) -> dict[str, float]:
+    status, text = request(server, "GET", "/metrics")
+    assert status == 200
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^vllm:(\w+)\{model_name="[^"]+"\} (\S+)$', text.decode(), re.M)}
+
+
+def wait_metrics(server, ok, timeout: float = 20) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while not ok(m := metrics(server)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return m
+
+
+def test_health_models_and_metrics(server):
+    assert server.while_loading == [503, 503, 503]
+    assert request(server, "GET", "/health")[0] == 200
+    status, body = request(server, "GET", "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "smollm2-135m"
+    text = request(server, "GET", "/metrics")[1].decode()
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total"]:
+        assert f"# TYPE vllm:{name} " in text
+    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds"]:
+        assert f"# TYPE vllm:{name} histogram" in text
+        assert f'vllm:{name}_bucket{{model_name="smollm2-135m",le="+Inf"}}' in text
+
+
+def test_chat(server, client):
+    before = metrics(server)
+    r = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    prompt = server.engine.tokenizer.apply_chat_template(CHAT)
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.completion_tokens == len(choice.logprobs.content) <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    for entry in choice.logprobs.content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    assert "".join(e.token for e in choice.logprobs.content).startswith(choice.message.content)
+    after = metrics(server)
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == r.usage.completion_tokens
+
+    # The same request streamed: the same text, in OpenAI's chunk shapes, usage last.
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert {c.id for c in chunks} == {chunks[0].id} and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_content_parts_and_roles(client):
+    parts = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]
+    alias = os.path.basename(weights.resolve_checkpoint())  # the checkpoint's file name names the model too
+    r = client.chat.completions.create(model=alias, messages=parts, max_completion_tokens=3)
+    assert r.usage.completion_tokens <= 3 and r.model == "smollm2-135m"
+
+
+def test_completions(server, client):
+    tok = server.engine.tokenizer
+    r = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=6,
+                                  temperature=0, logprobs=2)
+    choice = r.choices[0]
+    assert r.object == "text_completion" and choice.text and choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(tok.encode("The capital of France is"))
+    assert r.usage.completion_tokens == len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
+    assert all(len(t) <= 2 for t in choice.logprobs.top_logprobs)
+    assert choice.logprobs.text_offset[0] == 0
+    streamed = list(client.completions.create(model="smollm2-135m", prompt="The capital of France is",
+                                              max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+    # A list of prompts (text and token ids) times n: choices indexed prompt-major, prompts counted once.
+    ids = tok.encode("Once upon a time")
+    r = client.completions.create(model="smollm2-135m", prompt=["Hello", ids], n=2, max_tokens=3,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == len(tok.encode("Hello")) + len(ids)
+    assert r.usage.completion_tokens == 12
+    r = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=2, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 2
+
+
+def test_n_and_seed(client):
+    def run():
+        return client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2, max_tokens=6,
+                                         temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+    a, b = run(), run()
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices]
+    assert texts[0] != texts[1]  # lane i is seeded with seed + i
+    assert a.usage.completion_tokens == 12
+
+
+def test_chat_n2_stream(client):
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=CHAT, n=2, max_tokens=4, seed=5,
+                                                 stream=True))
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
+    assert set(finished) == {0, 1}
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    words = full.split()
+    assert len(words) >= 3
+    stop = words[2]
+    head = full[:full.index(stop)]
+    r = client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
+                                  temperature=0, stop=[stop, "never appears"])
+    assert r.choices[0].text == head and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
+                                         temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == head
+
+
+def test_penalties_and_sampling_knobs(client):
+    r = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=4, presence_penalty=1.5,
+                                       frequency_penalty=1.0, top_p=0.9, seed=3,
+                                       extra_body={"top_k": 20, "min_p": 0.05, "unknown_field": [1]})
+    assert r.usage.completion_tokens <= 4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=4, presence_penalty=3)
+    assert e.value.body["param"] == "presence_penalty"
+
+
+def test_async_client(server):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        plain = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=4, temperature=0)
+        stream = await client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=4, stream=True)
+        text = "".join([c.choices[0].text async for c in stream])
+        r = await plain
+        await client.close()
+        return r, text
+    r, text = asyncio.run(go())
+    assert r.choices[0].message.content and text
+
+
+def test_64_streams_with_disconnects(server):
+    """A quarter of the clients leave after two chunks: their lanes stop early, every other stream
+    completes, and then nothing is running and no KV is held."""
+    async def one(client, i: int):
+        stream = await client.completions.create(model="smollm2-135m", prompt=f"Story {i}:", max_tokens=12,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text, reasons = "", []
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reasons.append(chunk.choices[0].finish_reason)
+            if i % 4 == 0 and len(reasons) == 2:
+                await stream.close()
+                return None
+        return text, reasons[-1]
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=180)
+        results = await asyncio.gather(*(one(client, i) for i in range(64)))
+        await client.close()
+        return results
+    before = metrics(server)["generation_tokens_total"]
+    results = asyncio.run(go())
+    assert all(r is None for r in results[::4])
+    done = [r for i, r in enumerate(results) if i % 4]
+    assert len(done) == 48 and all(reason == "length" and text for text, reason in done)
+    m = wait_metrics(server, lambda m: m["num_requests_running"] == 0 and m["kv_cache_usage_perc"] == 0)
+    assert m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0 and m["kv_cache_usage_perc"] == 0
+    # Unaborted, the leavers would have produced 16 * 12 tokens; aborted, at most a few past their two.
+    assert m["generation_tokens_total"] - before <= 48 * 12 + 16 * 8
+
+
+def test_non_streaming_disconnect_aborts(server):
+    body = json.dumps({"model": "smollm2-135m", "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True}).encode()
+    sock = socket.create_connection((server.host, server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert wait_metrics(server, lambda m: m["kv_cache_usage_perc"] > 0)["num_requests_running"] == 1
+    sock.close()
+    m = wait_metrics(server, lambda m: m["num_requests_running"] == 0, timeout=10)
+    assert m["num_requests_running"] == 0 and m["kv_cache_usage_perc"] == 0
+
+
+def test_short_requests_finish_before_long_one(server, client):
+    """Continuous batching seen through HTTP: short requests sent while a long one runs finish first."""
+    finished: dict[str, float] = {}
+    long_started = threading.Event()
+
+    def long():
+        stream = client.completions.create(model="smollm2-135m", prompt="Write a long story:", max_tokens=24,
+                                           stream=True, extra_body={"ignore_eos": True})
+        for _ in stream:
+            long_started.set()
+        finished["long"] = time.monotonic()
+
+    def short(i: int):
+        client.completions.create(model="smollm2-135m", prompt=f"Hi {i}", max_tokens=2,
+                                  extra_body={"ignore_eos": True})
+        finished[f"short{i}"] = time.monotonic()
+
+    threads = [threading.Thread(target=long)]
+    threads[0].start()
+    assert long_started.wait(60)
+    threads += [threading.Thread(target=short, args=(i,)) for i in range(4)]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(finished) == 5
+    assert max(v for k, v in finished.items() if k != "long") < finished["long"]
+
+
+VALID = {"model": "smollm2-135m", "messages": CHAT, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b'{"model": "\xff\xfe"}', 400, None),                 # invalid UTF-8
+    (b"[1, 2]", 400, None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    (b"[" * 100000 + b"]" * 100000, 400, None),
+    ({**VALID, "max_tokens": "8"}, 400, "max_tokens"),
+    ({**VALID, "max_tokens": -1}, 400, "max_tokens"),
+    ({**VALID, "max_tokens": 10**12}, 400, None),
+    ({**VALID, "temperature": "hot"}, 400, "temperature"),
+    ({**VALID, "temperature": -1}, 400, "temperature"),
+    ({**VALID, "stream": "yes"}, 400, "stream"),
+    ({**VALID, "n": 0}, 400, "n"),
+    ({**VALID, "stop": [1]}, 400, "stop"),
+    ({**VALID, "stop": ["x" * 10000]}, 400, "stop"),
+    ({**VALID, "top_logprobs": 50, "logprobs": True}, 400, "logprobs"),
+    ({**VALID, "messages": []}, 400, "messages"),
+    ({**VALID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ({**VALID, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({**VALID, "messages": "hi"}, 400, "messages"),
+    ({**VALID, "model": "gpt-4"}, 404, "model"),
+    ({**VALID, "model": 7}, 400, "model"),
+])
+def test_bad_chat_requests(server, body, status, param):
+    got, raw = request(server, "POST", "/v1/chat/completions", body)
+    error = json.loads(raw)["error"]
+    assert got == status, error
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [10**9], [1, "a"], {"a": 1}, None, [-1]])
+def test_bad_prompts(server, prompt):
+    got, raw = request(server, "POST", "/v1/completions", {"model": "smollm2-135m", "prompt": prompt})
+    assert got == 400 and json.loads(raw)["error"]["message"]
+
+
+def test_routes_sizes_and_context(server):
+    assert request(server, "GET", "/v1/nothing")[0] == 404
+    assert request(server, "POST", "/v1/chat/completions/x", b"{}")[0] == 404
+    status, raw = request(server, "POST", "/v1/chat/completions", b"x", {"Content-Length": str(10**10)})
+    assert status == 413 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+    long_prompt = "hello " * 9000
+    status, raw = request(server, "POST", "/v1/completions", {"prompt": long_prompt, "max_tokens": 1})
+    assert status == 400 and "max_model_len" in json.loads(raw)["error"]["message"]
+
+
+def test_slow_client_gets_408_and_others_are_served(server, client):
+    saved, server.timeout = server.timeout, 1.5
+    try:
+        slow = socket.create_connection((server.host, server.port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        r = client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+        slow.settimeout(10)
+        reply = b""
+        while chunk := slow.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b'"error"' in reply
+    finally:
+        server.timeout = saved
+
+
+def test_api_key(server):
+    server.api_key = "sekret"
+    try:
+        assert request(server, "GET", "/v1/models")[0] == 401
+        status, raw = request(server, "POST", "/v1/chat/completions", VALID, {"Authorization": "Bearer wrong"})
+        assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+        assert request(server, "GET", "/v1/models", headers={"Authorization": "Bearer sekret"})[0] == 200
+        assert request(server, "GET", "/health")[0] == 200
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="sekret", max_retries=0)
+        assert c.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=1).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
+    finally:
+        server.api_key = None
+
+
+def test_queue_limit_429(server, client):
+    server.max_queue = 1
+    try:
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
+    finally:
+        server.max_queue = 1024
+
+
+def test_cli_bad_values_one_line(capsys):
+    for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
+                 ["--gpu-memory-utilization", "1.5"], ["--bogus"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code != 0 and err.count("\n") == 1 and "error:" in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--enable-prefix-caching" in capsys.readouterr().out
+
+
+def test_cli_unknown_model_fails_cleanly():
+    p = subprocess.run([sys.executable, "serve.py", "--model", "no-such-model", "--port", "0"], cwd=HERE, env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "no-such-model" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_serves_and_stops_on_sigterm():
+    p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--port", "0", "--num-kv-blocks", "64",
+                          "--max-model-len", "512"], cwd=HERE, env=ENV, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line)
+            if "serving http" in line:
+                break
+        summary = lines[-1]
+        assert "KV 64 blocks = 1024 tokens" in summary and "cpu float32" in summary, lines
+        host, port = re.search(r"http://([\d.]+):(\d+)", summary).groups()
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
+        # A stream still running does not hold up the stop.
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 400, "stream": True,
+                                                            "ignore_eos": True}))
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        p.kill()
+
+
+def test_cli_stops_cleanly_while_loading():
+    p = subprocess.Popen([sys.executable, "serve.py", "--port", "0"], cwd=HERE, env=ENV, stderr=subprocess.PIPE,
+                         text=True)
+    assert "loading" in p.stderr.readline()
+    p.send_signal(signal.SIGINT)
+    assert p.wait(30) == 0
+    err = p.stderr.read()
+    assert "Traceback" not in err and "terminate" not in err, err
