@@ -47,6 +47,11 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")  # one line, not the usage block
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # "(default: ...)" only where there is one worth reading
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
 def _number(kind: type, zero_ok: bool = False):
     """An argparse type: a positive int or float (or zero, with zero_ok)."""
     def parse(text: str):
@@ -62,8 +67,9 @@ def _number(kind: type, zero_ok: bool = False):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = EngineConfig()
-    p = ArgumentParser(prog="bench.py", description="Serving benchmark: by default starts the model in-process "
-                       "on a free loopback port and measures it over HTTP; --base-url measures any OpenAI server.")
+    p = ArgumentParser(prog="bench.py", formatter_class=_Help,
+                       description="Serving benchmark: by default starts the model in-process on a free loopback "
+                       "port and measures it over HTTP; --base-url measures any OpenAI-compatible server.")
     a, pos, num, count = p.add_argument, _number(int), _number(float), _number(int, zero_ok=True)
     a("--base-url", help="measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead")
     a("--api-key", default="none", help="bearer token for --base-url")
@@ -73,8 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--concurrency", type=pos, nargs="+", default=[1, 4, 16, 64], help="client counts to sweep")
     a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos)")
     a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
-    a("--warmup", type=count, default=2, help="unmeasured requests before measuring (default 2)")
-    a("--temperature", type=_number(float, zero_ok=True), default=0.0, help="sampling temperature (default 0: greedy, as vLLM's bench)")
+    a("--warmup", type=count, default=2, help="unmeasured requests before measuring")
+    a("--temperature", type=_number(float, zero_ok=True), default=0.0, help="sampling temperature (0: greedy, as vLLM's bench)")
     a("--slo-ttft", type=num, help="SLO on p95 TTFT in ms, for goodput")
     a("--slo-itl", type=num, help="SLO on p95 ITL in ms, for goodput")
     a("--mixed-short", type=pos, default=8, help="max_tokens of the mixed probe's short requests")
@@ -84,14 +90,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--num-prompts", type=pos, default=256, help="--offline: sequences")
     a("--min-len", type=pos, default=100, help="--offline: shortest prompt and output, tokens")
     a("--max-len", type=pos, default=1024, help="--offline: longest prompt and output, tokens")
-    a("--kernel-batches", type=pos, nargs="+", help="--kernel: batch sizes (default 1..256 on CUDA)")
-    a("--kernel-contexts", type=pos, nargs="+", help="--kernel: context lengths (default 512..8192 on CUDA)")
+    a("--kernel-batches", type=pos, nargs="+", help="--kernel: batch sizes (1..256 on CUDA)")
+    a("--kernel-contexts", type=pos, nargs="+", help="--kernel: context lengths (512..8192 on CUDA)")
     a("--time-limit", type=num, default=540, help="seconds for the whole run, model loading included")
     a("--request-timeout", type=num, default=300, help="seconds for one request")
     a("--json", metavar="PATH", help="write every number, per-request arrays and the configuration here")
     a("--plot", metavar="PATH", help="PNG: throughput vs p95 latency, and the mixed probe's timeline")
     g = p.add_argument_group("engine (in-process server; as serve.py)").add_argument
-    g("--model", help=f"preset, HF repo id or path (default {d.model}); with --base-url the model to request")
+    g("--model", help=f"preset, HF repo id or path ({d.model}); with --base-url, the model to request")
     g("--model-path", help="checkpoint for --model")
     g("--dummy-weights", action="store_true", help="random weights in the preset's shapes")
     g("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype)
@@ -107,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g("--max-model-len", type=pos)
     g("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
     g("--seed", type=count, default=0, help="engine seed, and --offline's lengths and prompts")
-    g("--torch-threads", type=pos, help="torch intra-op threads (default: torch's; for an in-process server on "
+    g("--torch-threads", type=pos, help="torch intra-op threads (unset: torch's, but for an in-process server on "
                                         "CPU one fewer than the cores, left to the client and HTTP threads)")
     args = p.parse_args(argv)
     if args.offline + args.kernel + bool(args.base_url) > 1:

@@ -37,6 +37,7 @@ class BatchMeta:
     context_lens: torch.Tensor     # [num_lanes] int32
     query_start_loc: torch.Tensor  # [num_lanes + 1] int32
     sample_rows: torch.Tensor      # [num_sampled] int64, rows whose logits are needed this step
+    max_query_len: int             # 1: every lane decodes one token (no host sync, graph-capturable)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -64,13 +65,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 whatever the model dtype, as the reference implementation does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def _weight(*shape: int) -> nn.Parameter:
     # A placeholder on the meta device: it costs no memory until the checkpoint's tensor replaces it.
     return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
@@ -93,19 +87,27 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         c = self.c
-        n = x.shape[0]
-        q, k, v = F.linear(rms_norm(x, self.attn_norm, c.rms_norm_eps), self.qkv).split(
-            [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
-             c.num_key_value_heads * c.head_dim], dim=-1)
-        q = apply_rope(q.view(n, -1, c.head_dim), cos, sin)
-        k = apply_rope(k.view(n, -1, c.head_dim), cos, sin)
-        attention_cuda.store_kv(k, v.view(n, -1, c.head_dim), k_cache, v_cache, meta.slot_mapping)
-        o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables,
-                                                  meta.context_lens, meta.query_start_loc,
-                                                  1.0 / math.sqrt(c.head_dim))
+        n, d = x.shape[0], c.head_dim
+        qkv = F.linear(self.rms_norm(x, self.attn_norm), self.qkv).view(n, -1, d)
+        # Q and K heads take the same rotation, so they are rotated together in one pass.
+        qk = apply_rope(qkv[:, :c.num_attention_heads + c.num_key_value_heads], cos, sin)
+        q, k = qk.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
+        v = qkv[:, c.num_attention_heads + c.num_key_value_heads:]
+        on_gpu = x.is_cuda  # our kernels there; the pure-PyTorch reference elsewhere
+        (attention_cuda.cuda_store_kv if on_gpu else attention_cuda.store_kv)(
+            k, v, k_cache, v_cache, meta.slot_mapping)
+        decode = attention_cuda.cuda_paged_attention if on_gpu else attention_cuda.paged_attention
+        if meta.max_query_len == 1:
+            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 1.0 / math.sqrt(d))
+        else:
+            o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                      meta.query_start_loc, 1.0 / math.sqrt(d), decode)
         x = x + F.linear(o.reshape(n, -1), self.o)
-        gate, up = F.linear(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.gate_up).chunk(2, dim=-1)
+        gate, up = F.linear(self.rms_norm(x, self.mlp_norm), self.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, self.c.rms_norm_eps)
 
 
 class Transformer(nn.Module):
@@ -159,5 +161,5 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, k_cache, v_cache)
-        x = rms_norm(x[meta.sample_rows], self.norm, self.config.rms_norm_eps)
+        x = F.rms_norm(x[meta.sample_rows], self.norm.shape, self.norm, self.config.rms_norm_eps)
         return F.linear(x, self.lm_head).float()

@@ -142,7 +142,7 @@ class Server:
         c = self.config
         try:
             engine = Engine(c)
-            path = None if c.dummy_weights else weights.resolve_checkpoint(c.model, c.model_path)
+            path = engine.checkpoint_path
             self.model_names = list(dict.fromkeys([c.model, *(os.path.basename(p.rstrip("/"))
                                                               for p in (c.model, path) if p)]))
             self.stats = engine.stats()

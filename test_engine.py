@@ -83,7 +83,7 @@ def test_last_position_logits(llm, hf):
                              torch.tensor([table], dtype=torch.int32),
                              torch.tensor([len(ids)], dtype=torch.int32),
                              torch.tensor([0, len(ids)], dtype=torch.int32),
-                             torch.tensor([len(ids) - 1]))
+                             torch.tensor([len(ids) - 1]), len(ids))
             ours = llm.model(torch.tensor(ids), torch.arange(len(ids)), meta, llm.kv_cache.layers)[0]
         finally:
             llm.block_manager.free(table)
@@ -171,3 +171,17 @@ def test_bad_requests(llm):
         llm.add_request([1, 2, 3], SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="empty"):
         llm.add_request([], SamplingParams())
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda
+def test_cuda_greedy_matches_cpu_and_graphs_change_nothing(llm):
+    prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    cpu = [o.token_ids for o in llm.generate(prompts, params)]
+    for eager in (False, True):
+        gpu = LLM(device="cuda", dtype="float32", max_num_batched_tokens=32, num_kv_blocks=256,
+                  enforce_eager=eager)
+        assert [o.token_ids for o in gpu.generate(prompts, params)] == cpu

@@ -1,5 +1,6 @@
 """Paged attention: the pure-PyTorch reference (CPU path and test oracle) and, on CUDA, our kernel."""
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,30 +30,42 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention, one query token per lane: query [num_seqs, num_heads, head_dim] attends
-    to its lane's first context_lens[i] cached tokens (its own included). Returns query's shape."""
-    return paged_attention_varlen(query, k_cache, v_cache, block_tables, context_lens,
-                                  torch.arange(query.shape[0] + 1, dtype=torch.int32), scale)
+    to its lane's first context_lens[i] cached tokens (its own included). Returns query's shape.
+    All lanes run as one padded batch, and each KV head serves its group of query heads by a
+    grouped matmul (no copies of K/V per query head). Pad keys are masked out, and since the
+    cache is zero-initialised they cannot leak NaN/inf into the weighted sum."""
+    max_len = int(context_lens.max())
+    k = gather_kv(k_cache, block_tables, max_len)  # [seqs, max_len, kv_heads, dim]
+    v = gather_kv(v_cache, block_tables, max_len)
+    seqs, heads, dim = query.shape
+    q = query.view(seqs, k.shape[2], heads // k.shape[2], dim)  # [seqs, kv_heads, group, dim]
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale
+    pad = torch.arange(max_len, device=query.device) >= context_lens.to(query.device)[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(seqs, heads, dim)
 
 
 def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                           query_start_loc: torch.Tensor, scale: float,
+                           decode: Callable = paged_attention) -> torch.Tensor:
     """Causal attention for a flattened batch of lanes. Lane i owns query rows
     query_start_loc[i]:query_start_loc[i+1] ([total_tokens, num_heads, head_dim]); they are the
     last q_len of its context_lens[i] tokens, so row j sits at position context_len - q_len + j
-    and sees keys 0..that position, through the lane's block table and nothing else."""
+    and sees keys 0..that position, through the lane's block table and nothing else.
+    One-token lanes go to `decode` together (the CUDA kernel on GPU), longer ones to SDPA."""
     starts = query_start_loc.tolist()
     ctx = context_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if len(decode) == len(q_lens):  # the common step: every lane decodes one token
-        return _decode(query, k_cache, v_cache, block_tables, context_lens, max(ctx), scale)
+    one = [i for i, n in enumerate(q_lens) if n == 1]
+    if len(one) == len(q_lens):  # the common step: every lane decodes one token
+        return decode(query, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty_like(query)
-    if decode:
-        idx = torch.tensor(decode, device=query.device)
+    if one:
+        idx = torch.tensor(one, device=query.device)
         rows = query_start_loc.to(query.device)[idx].long()
-        out[rows] = _decode(query[rows], k_cache, v_cache, block_tables[idx], context_lens[idx],
-                            max(ctx[i] for i in decode), scale)
+        out[rows] = decode(query[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
     for i, n in enumerate(q_lens):
         if n == 1:
             continue
@@ -68,22 +81,6 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:s + n] = o[0].transpose(0, 1)
     return out
-
-
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """One query token per lane, all lanes in one padded batch. Each KV head serves its group of
-    query heads by a grouped matmul (no copies of K/V per query head). Pad keys are masked out,
-    and since the cache is zero-initialised they cannot leak NaN/inf into the weighted sum."""
-    k = gather_kv(k_cache, block_tables, max_len)  # [seqs, max_len, kv_heads, dim]
-    v = gather_kv(v_cache, block_tables, max_len)
-    seqs, heads, dim = query.shape
-    q = query.view(seqs, k.shape[2], heads // k.shape[2], dim)  # [seqs, kv_heads, group, dim]
-    scores = torch.einsum("bhgd,blhd->bhgl", q, k).float() * scale
-    pad = torch.arange(max_len, device=query.device) >= context_lens.to(query.device)[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype)
-    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(seqs, heads, dim)
 
 
 _SOURCES = ["binding.cpp", "paged_attention.cu"]
