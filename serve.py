@@ -564,7 +564,8 @@ def _parser() -> ArgumentParser:
     a("--scheduling", choices=["continuous", "static"], default=d.scheduling,
       help="continuous (iteration-level) batching, or static (request-level) for comparison")
     a("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype,
-      help="weights and KV dtype (default auto: bfloat16 on CUDA, float32 on CPU)")
+      help="weights and KV dtype (default auto: bfloat16 on CUDA and on CPUs with bf16 units, else float32)")
+    a("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, without CUDA graphs")
     a("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default auto: CUDA when available)")
     a("--seed", type=_number(int, 0), default=d.seed, help=f"seeds requests that bring none (default {d.seed})")
     return p

@@ -385,3 +385,38 @@ def test_preset_sizes(name, params):
 def test_llama31_preset_is_llama3_with_scaling():
     plain = dataclasses.replace(PRESETS["llama3.1-8b"], rope_scaling=None, max_position_embeddings=8192)
     assert plain == PRESETS["llama3-8b"]
+
+
+def our_logits(path, ids: list[list[int]]) -> torch.Tensor:
+    """Last-position logits of each prompt, run together through our model over a paged cache."""
+    from kv_cache import BlockManager, KVCache
+    from model import BatchMeta, Transformer
+    config, state = load_weights(str(path))
+    model = Transformer(config, 64)
+    model.load_hf_state_dict(state)
+    cache, blocks = KVCache(config, 16, 4, torch.float32, "cpu"), BlockManager(16, 4)
+    tables, slots, starts = [], [], [0]
+    for x in ids:
+        tables.append([])
+        blocks.allocate(tables[-1], len(x))
+        slots += blocks.slots(tables[-1], 0, len(x))
+        starts.append(starts[-1] + len(x))
+    width = max(map(len, tables))
+    meta = BatchMeta(torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                     torch.tensor([len(x) for x in ids], dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                     torch.tensor(starts[1:]) - 1, max(map(len, ids)))
+    return model(torch.tensor(sum(ids, [])), torch.cat([torch.arange(len(x)) for x in ids]), meta, cache.layers)
+
+
+@pytest.mark.parametrize("tied,scaled", [(True, False), (False, True)])
+def test_loaders_give_transformers_logits(tmp_path, tied, scaled):
+    hf = tiny_llama(tied, scaled)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    (tmp_path / "meta").mkdir()
+    write_meta(tmp_path / "meta", hf)
+    ids = [[1, 5, 9, 200, 17, 3], [7, 7, 42], [100, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    with torch.no_grad():
+        expected = torch.stack([hf(torch.tensor([x])).logits[0, -1] for x in ids])
+    ours = our_logits(tmp_path / "hf", ids)
+    assert (ours - expected).abs().max().item() < 1e-4
+    assert torch.equal(our_logits(tmp_path / "meta", ids), ours)
