@@ -327,7 +327,7 @@ class Engine:
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            if reason == "length":
+            if not seq.detokenizer.stopped:  # release text held back as a possible stop-string start
                 delta += seq.detokenizer.flush()
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]

@@ -141,3 +141,11 @@ def test_logprobs(roomy):
 def test_impossible_config_rejected(bad):
     with pytest.raises(ValueError):
         LLM(device="cpu", **bad)
+
+
+def test_text_held_for_a_possible_stop_string_is_released_at_eos(roomy):
+    prompt = roomy.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    free = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0]
+    assert free.finish_reason == "stop" and free.text.endswith(".")  # ended by EOS, right after a "."
+    out = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=32, stop=[".zzz"]))[0]
+    assert out.text == free.text and out.finish_reason == "stop"
