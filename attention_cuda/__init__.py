@@ -59,8 +59,6 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ctx = context_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     one = [i for i, n in enumerate(q_lens) if n == 1]
-    if len(one) == len(q_lens):  # the common step: every lane decodes one token
-        return decode(query, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty_like(query)
     if one:
         idx = torch.tensor(one, device=query.device)
