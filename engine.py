@@ -164,6 +164,8 @@ class Engine:
                              f"{self.model_config.max_position_embeddings}")
         self.model = Transformer(self.model_config, self.max_model_len, self.device)
         self.model.load_hf_state_dict(state)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            self.model.prepack_for_cpu(c.max_num_seqs)
 
         per_block = kv_bytes_per_block(self.model_config, c.block_size, self.dtype)
         if c.num_kv_blocks is not None:
@@ -337,38 +339,38 @@ class Engine:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Next token per lane: greedy rows by one batched argmax, sampled rows each from their own
-    generator so that a seeded request draws the same numbers whatever batch it is in."""
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.presence_penalty or p.frequency_penalty:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
-            counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    """Next token per lane: plain greedy rows by one batched argmax; the rest each on its own row,
+    sampled from its own generator so that a seeded request draws the same numbers whatever batch
+    it is in."""
     tokens = logits.argmax(dim=-1).tolist()
-    for i, seq in enumerate(seqs):
-        p, g = seq.params, seq.generator
-        if p.temperature == 0:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = row.softmax(-1)
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
-        if p.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            # Drop a token once the mass before it already reaches top_p; the first always stays.
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
-        tokens[i] = int(torch.multinomial(probs, 1, generator=g))
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
-        k = seq.params.logprobs
-        if k is not None:
+        p, g = seq.params, seq.generator
+        if not (p.temperature or p.presence_penalty or p.frequency_penalty or p.logprobs is not None):
+            continue
+        logit = logits[i]
+        if p.presence_penalty or p.frequency_penalty:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
+            counts = torch.bincount(out, minlength=logit.shape[-1]).to(logit.dtype)
+            logit -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            tokens[i] = int(logit.argmax())
+        if p.temperature:
+            row = logit / p.temperature
+            if p.top_k > 0:
+                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            probs = row.softmax(-1)
+            if p.min_p > 0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
+            if p.top_p < 1:
+                sorted_probs, order = probs.sort(descending=True)
+                # Drop a token once the mass before it already reaches top_p; the first always stays.
+                drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+                probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
+            tokens[i] = int(torch.multinomial(probs, 1, generator=g))
+        if (k := p.logprobs) is not None:
             # Reported from the model's distribution (after penalties, before temperature), as vLLM does.
-            lp = logits[i].log_softmax(-1)
+            lp = logit.log_softmax(-1)
             top = lp.topk(k) if k else None
             logprobs[i] = TokenLogprob(tokens[i], float(lp[tokens[i]]),
                                        list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
