@@ -12,12 +12,14 @@ import asyncio
 import importlib.util
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
@@ -26,11 +28,6 @@ import torch
 import weights
 from engine import LLM, EngineConfig, SamplingParams
 from serve import Server
-
-try:
-    import openai
-except ImportError:  # only the HTTP modes need it; --offline and --kernel run without
-    openai = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Request {i}: write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
@@ -68,8 +65,9 @@ def _number(kind: type, zero_ok: bool = False):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d = EngineConfig()
     p = ArgumentParser(prog="bench.py", formatter_class=_Help,
-                       description="Serving benchmark: by default starts the model in-process on a free loopback "
-                       "port and measures it over HTTP; --base-url measures any OpenAI-compatible server.")
+                       description="Serving benchmark: by default serves the model from this process on a free "
+                       "loopback port and measures it over HTTP from a client process; --base-url measures any "
+                       "OpenAI-compatible server.")
     a, pos, num, count = p.add_argument, _number(int), _number(float), _number(int, zero_ok=True)
     a("--base-url", help="measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead")
     a("--api-key", default="none", help="bearer token for --base-url")
@@ -113,8 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g("--max-model-len", type=pos)
     g("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
     g("--seed", type=count, default=0, help="engine seed, and --offline's lengths and prompts")
-    g("--torch-threads", type=pos, help="torch intra-op threads (unset: torch's, but for an in-process server on "
-                                        "CPU one fewer than the cores, left to the client and HTTP threads)")
+    g("--torch-threads", type=pos, help="torch intra-op threads (default: torch's, one per core)")
     args = p.parse_args(argv)
     if args.offline + args.kernel + bool(args.base_url) > 1:
         p.error("--offline, --kernel and --base-url are separate modes; pick one")
@@ -174,36 +171,116 @@ class Request:
     error: str | None = None
 
 
-async def stream_one(client, model: str, req: Request, prompt: str, args, t0: float) -> None:
+class HTTPError(Exception):
+    pass
+
+
+class Client:
+    """A bare HTTP/1.1 streaming client on asyncio: one connection per request, OpenAI's paths and error JSON.
+    It costs a few microseconds per event (an SDK costs tens), so on a small machine the numbers measure the
+    server rather than the client."""
+
+    def __init__(self, base_url: str, api_key: str):
+        url = base_url.rstrip("/")
+        self.base = urllib.parse.urlsplit(url if url.endswith("/v1") else url + "/v1")
+        self.url, self.api_key = self.base.geturl(), api_key
+
+    async def _open(self, method: str, path: str, body: dict | None = None):
+        b = self.base
+        reader, writer = await asyncio.open_connection(b.hostname, b.port or (443 if b.scheme == "https" else 80),
+                                                       ssl=True if b.scheme == "https" else None, limit=2**22)
+        data = json.dumps(body).encode() if body is not None else b""
+        writer.write(f"{method} {b.path}{path} HTTP/1.1\r\nHost: {b.netloc}\r\nConnection: close\r\n"
+                     f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        status_line = await reader.readline()
+        headers = {}
+        while (line := await reader.readline()).strip():
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        status = int(status_line.split()[1]) if len(status_line.split()) > 1 else 0
+        return reader, writer, status, headers
+
+    @staticmethod
+    async def _body(reader, headers: dict):
+        """The body's bytes as they arrive, chunked transfer coding undone."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int((await reader.readline()).split(b";")[0] or b"0", 16):
+                yield await reader.readexactly(size)
+                await reader.readexactly(2)
+        elif "content-length" in headers:
+            yield await reader.readexactly(int(headers["content-length"]))
+        else:
+            while data := await reader.read(2**16):
+                yield data
+
+    async def _fail(self, reader, headers: dict, status: int):
+        raw = b"".join([c async for c in self._body(reader, headers)])
+        try:
+            message = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode(errors="replace")[:200]
+        raise HTTPError(f"HTTP {status}: {message}")
+
+    async def get(self, path: str) -> dict:
+        reader, writer, status, headers = await self._open("GET", path)
+        try:
+            if status != 200:
+                await self._fail(reader, headers, status)
+            return json.loads(b"".join([c async for c in self._body(reader, headers)]))
+        finally:
+            writer.close()
+
+    async def events(self, path: str, body: dict):
+        """POST, then yield each server-sent event's data as parsed JSON (up to [DONE])."""
+        reader, writer, status, headers = await self._open("POST", path, body)
+        try:
+            if status != 200:
+                await self._fail(reader, headers, status)
+            buf = b""
+            async for data in self._body(reader, headers):
+                *events, buf = (buf + data).split(b"\n\n")
+                for event in events:
+                    for line in event.splitlines():
+                        if line.startswith(b"data:"):
+                            if (payload := line[5:].strip()) == b"[DONE]":
+                                return
+                            yield json.loads(payload)
+        finally:
+            writer.close()
+
+
+async def stream_one(client: Client, model: str, req: Request, prompt: str, args, t0: float) -> None:
     """Fill req in place, so that a request cancelled at a time limit keeps what it measured."""
     req.start = time.perf_counter() - t0
     usage, last = None, 0.0
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": req.max_tokens,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
     try:
         async with asyncio.timeout(args.request_timeout):
-            async with await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=req.max_tokens,
-                    temperature=args.temperature, stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True}) as stream:
-                async for chunk in stream:
-                    now = time.perf_counter() - t0
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        if req.ttft is None:
-                            req.ttft = now - req.start
-                        else:
-                            req.itl.append(now - last)
-                        last, req.chunks = now, req.chunks + 1
-                    usage = chunk.usage or usage
+            async for chunk in client.events("/chat/completions", body):
+                now = time.perf_counter() - t0
+                if "error" in chunk:
+                    raise HTTPError(chunk["error"].get("message", str(chunk["error"])))
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    if req.ttft is None:
+                        req.ttft = now - req.start
+                    else:
+                        req.itl.append(now - last)
+                    last, req.chunks = now, req.chunks + 1
+                usage = chunk.get("usage") or usage
     except TimeoutError:
         req.error = f"timed out after {args.request_timeout:g}s (--request-timeout)"
         return
-    except openai.APIError as e:
+    except (HTTPError, OSError, ValueError, asyncio.IncompleteReadError) as e:
         req.error = f"{type(e).__name__}: {e}"
         return
     req.end = time.perf_counter() - t0
     if usage is None:
         raise BenchError("the server sent no usage in the stream (stream_options.include_usage); "
                          "token counts would be guesses")
-    req.prompt_tokens, req.output_tokens = usage.prompt_tokens, usage.completion_tokens
+    req.prompt_tokens, req.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
     if req.output_tokens != req.max_tokens:
         raise BenchError(f"asked for {req.max_tokens} tokens with ignore_eos, but the server's usage says "
                          f"{req.output_tokens}: it does not honour ignore_eos or max_tokens, so the numbers "
@@ -319,8 +396,7 @@ def pick_goodput(sweep: list[dict], args) -> dict | None:
 
 
 def start_server(args, scheduling: str, until: float, report: dict) -> Server:
-    """The engine behind real HTTP on a free loopback port. In-process, the client shares the GIL (and, on CPU,
-    the cores) with the engine thread; --base-url against a separate serve.py keeps them apart."""
+    """The engine behind real HTTP on a free loopback port, served from this process."""
     print(f"bench.py: starting an in-process {scheduling} server ...", file=sys.stderr)
     server = Server(engine_config(args, scheduling), port=0)
     server.start()
@@ -337,40 +413,64 @@ def start_server(args, scheduling: str, until: float, report: dict) -> Server:
     return server
 
 
-async def run_online(args, deadline: float, report: dict) -> None:
-    if openai is None:
-        raise BenchError("measuring over HTTP needs the openai package (pip install openai)")
+async def measure(args, url: str, label: str, until: float) -> tuple[dict, str | None, str | None]:
+    """Warm-up, the mixed probe and the sweep against one server: (the run, the served model, the error that
+    stopped it, if one did). What was measured before an error is kept."""
+    client, model = Client(url, args.api_key), None
+    run = {"sweep": [], "mixed": None, "goodput": None}
+    try:
+        try:
+            model = args.model if args.base_url and args.model else (await client.get("/models"))["data"][0]["id"]
+        except (HTTPError, OSError, ValueError, KeyError, IndexError) as e:
+            raise BenchError(f"cannot list the models at {client.url}: {e}") from None
+        t0, warm = time.perf_counter(), [Request("warmup", min(16, args.max_tokens)) for _ in range(args.warmup)]
+        await run_until([stream_one(client, model, r, PROMPT.format(i=-1 - j), args, t0)
+                         for j, r in enumerate(warm)], until)
+        if err := next((r.error for r in warm if r.error), None):
+            raise BenchError(f"warm-up request failed: {err}")
+        if args.mixed_num_short:  # first: a fixed, small workload, at most 40% of the time; the sweep adapts
+            mixed_until = time.perf_counter() + (until - time.perf_counter()) * 0.4
+            run["mixed"] = await run_mixed(client, model, args, mixed_until, label)
+        for j, c in enumerate(args.concurrency):  # equal shares; a level done early leaves its rest to later ones
+            level_until = time.perf_counter() + (until - time.perf_counter()) / (len(args.concurrency) - j)
+            run["sweep"].append(await run_level(client, model, args, c, level_until, label))
+        run["goodput"] = pick_goodput(run["sweep"], args)
+    except BenchError as e:
+        return run, model, str(e)
+    return run, model, None
+
+
+def _measure_in_child(args, url: str, label: str, seconds: float, conn) -> None:
+    conn.send(asyncio.run(measure(args, url, label, time.perf_counter() + seconds)))
+
+
+def run_online(args, deadline: float, report: dict) -> None:
     labels = ["remote"] if args.base_url else ["continuous"] + ["static"] * args.compare_static
     for i, label in enumerate(labels):
         until = time.perf_counter() + (deadline - time.perf_counter()) / (len(labels) - i)  # a fair share each
-        server = None if args.base_url else start_server(args, label, until, report)
-        url = args.base_url or server.url
-        url = url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1"
-        client = openai.AsyncOpenAI(base_url=url, api_key=args.api_key, max_retries=0,
-                                    timeout=args.request_timeout)
-        try:
+        if args.base_url:
+            run, model, error = asyncio.run(measure(args, args.base_url, label, until))
+        else:
+            # The client runs in a process of its own, as it would against a deployed server: sharing the
+            # server's process it would hold the GIL the engine loop needs between ops.
+            server = start_server(args, label, until, report)
             try:
-                model = args.model if args.base_url and args.model else (await client.models.list()).data[0].id
-            except openai.APIError as e:
-                raise BenchError(f"cannot list the models at {url}: {e}") from None
-            report["config"].setdefault("served_model", model)
-            run = report["runs"][label] = {"sweep": [], "mixed": None, "goodput": None}
-            t0, warm = time.perf_counter(), [Request("warmup", min(16, args.max_tokens)) for _ in range(args.warmup)]
-            await run_until([stream_one(client, model, r, PROMPT.format(i=-1 - j), args, t0)
-                             for j, r in enumerate(warm)], until)
-            if err := next((r.error for r in warm if r.error), None):
-                raise BenchError(f"warm-up request failed: {err}")
-            if args.mixed_num_short:  # first: a fixed, small workload, at most 40% of the time; the sweep adapts
-                mixed_until = time.perf_counter() + (until - time.perf_counter()) * 0.4
-                run["mixed"] = await run_mixed(client, model, args, mixed_until, label)
-            for j, c in enumerate(args.concurrency):  # equal shares; a level done early leaves its rest to later ones
-                level_until = time.perf_counter() + (until - time.perf_counter()) / (len(args.concurrency) - j)
-                run["sweep"].append(await run_level(client, model, args, c, level_until, label))
-            run["goodput"] = pick_goodput(run["sweep"], args)
-        finally:
-            await client.close()
-            if server is not None:
+                ctx = multiprocessing.get_context("spawn")
+                receive, send = ctx.Pipe(duplex=False)
+                child = ctx.Process(target=_measure_in_child, daemon=True,
+                                    args=(args, server.url, label, until - time.perf_counter(), send))
+                child.start()
+                try:
+                    run, model, error = receive.recv()
+                except EOFError:
+                    raise BenchError(f"the client process died (exit code {child.join(5) or child.exitcode})")
+                child.join()
+            finally:
                 server.stop()
+        report["config"].setdefault("served_model", model)
+        report["runs"][label] = run
+        if error:
+            raise BenchError(error)
 
 
 def run_offline(args, deadline: float, report: dict) -> None:
@@ -562,20 +662,14 @@ def versions() -> dict:
     except (OSError, subprocess.SubprocessError):
         rev = None
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "openai": openai and openai.__version__,
             "laneserve_git": rev, "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cpu = args.device == "cpu" or args.device == "auto" and not torch.cuda.is_available()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    elif cpu and not (args.base_url or args.offline or args.kernel):
-        # The client and the HTTP threads share this process. Torch's workers spin at every op's barrier, so
-        # when one of them loses its core to the client every op stalls: on 2 cores, 10x slower steps.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
     deadline = time.perf_counter() + args.time_limit
     knobs = {**vars(args), "api_key": "(set)" if args.api_key != "none" else None}  # no secrets in reports
     report: dict = {"config": {"knobs": knobs, "model": args.model or weights.DEFAULT_MODEL,
@@ -587,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.offline:
             run_offline(args, deadline, report)
         else:
-            asyncio.run(run_online(args, deadline, report))
+            run_online(args, deadline, report)
     except BenchError as e:
         error = str(e)
     except KeyboardInterrupt:
