@@ -60,9 +60,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout: the pairs are (i, i + head_dim/2)). x: [tokens, heads, dim]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Rotate-half RoPE (HF layout: the pairs are (i, i + head_dim/2)). x: [tokens, heads, dim];
+    sin comes with its first half negated (rope_tables), so that rotating half is a plain roll:
+    x * cos + (-x2, x1) * sin == x * cos + (x2, x1) * (-sin1, sin2)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,8 @@ class Block(nn.Module):
         self.down = _weight(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                plan: attention_cuda.DecodePlan | None = None) -> torch.Tensor:
         c = self.c
         n, d = x.shape[0], c.head_dim
         qkv = linear(self.rms_norm(x, self.attn_norm), self.qkv).view(n, -1, d)
@@ -103,11 +105,14 @@ class Block(nn.Module):
         (attention_cuda.cuda_store_kv if on_gpu else attention_cuda.store_kv)(
             k, v, k_cache, v_cache, meta.slot_mapping)
         decode = attention_cuda.cuda_paged_attention if on_gpu else attention_cuda.paged_attention
-        if meta.max_query_len == 1:
-            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 1.0 / math.sqrt(d))
-        else:
+        scale = 1.0 / math.sqrt(d)
+        if meta.max_query_len > 1:
             o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                      meta.query_start_loc, 1.0 / math.sqrt(d), decode)
+                                                      meta.query_start_loc, scale, decode)
+        elif on_gpu:
+            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        else:
+            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, plan)
         x = x + linear(o.reshape(n, -1), self.o)
         gate, up = linear(self.rms_norm(x, self.mlp_norm), self.gate_up).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down)
@@ -127,7 +132,9 @@ class Transformer(nn.Module):
         freqs = torch.outer(torch.arange(max_model_len, device=device).float(), rope_inv_freq(config).to(device))
         freqs = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
-        self.register_buffer("rope_sin", freqs.sin(), persistent=False)
+        sin = freqs.sin()
+        sin[:, :config.head_dim // 2] *= -1  # see apply_rope
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -178,7 +185,10 @@ class Transformer(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
+        plan = None  # decode on CPU: the block-table work of attention, once for all layers
+        if meta.max_query_len == 1 and not x.is_cuda:
+            plan = attention_cuda.plan_decode(meta.block_tables, meta.context_lens, kv_caches[0][0].shape[1])
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache)
+            x = layer(x, cos, sin, meta, k_cache, v_cache, plan)
         x = F.rms_norm(x[meta.sample_rows], self.norm.shape, self.norm, self.config.rms_norm_eps)
         return linear(x, self.lm_head).float()

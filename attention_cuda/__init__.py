@@ -1,5 +1,6 @@
 """Paged attention: the pure-PyTorch reference (CPU path and test oracle) and, on CUDA, our kernel."""
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,26 +25,45 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     Unused block-table entries must point at a real block (0 is fine); the caller masks them."""
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
-    # A block is one contiguous row of block_size * kv_heads * dim values, so the gather is a row
-    # index_select (a memcpy per block), several times faster on CPU than advanced indexing.
+    # A block is one contiguous row, so this is a row index_select: a memcpy per block.
     rows = cache.view(cache.shape[0], -1).index_select(0, block_tables[:, :num_blocks].flatten())
     return rows.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
 
 
+@dataclass
+class DecodePlan:
+    """The part of decode attention that depends only on the block tables, the same in every layer:
+    made once per step (plan_decode) instead of once per layer."""
+    blocks: torch.Tensor  # [num_seqs * blocks_per_seq] block ids to gather, lane after lane
+    max_len: int          # tokens gathered per lane: whole blocks, so that K stays a plain matrix
+    bias: torch.Tensor    # [num_seqs, 1, max_len] float32: 0 on a lane's tokens, -inf on the padding
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    # Whole blocks: a length that is not a multiple of the block size would leave the gathered K a
+    # strided slice, which the matmul in paged_attention first copies (measured 3x slower).
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    max_len = num_blocks * block_size
+    pad = torch.arange(max_len, device=block_tables.device) >= context_lens[:, None]
+    bias = torch.zeros(pad.shape, device=pad.device).masked_fill_(pad, float("-inf"))[:, None, :]
+    return DecodePlan(block_tables[:, :num_blocks].flatten(), max_len, bias)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    plan: DecodePlan | None = None) -> torch.Tensor:
     """Decode attention, one query token per lane: query [num_seqs, num_heads, head_dim] attends
     to its lane's first context_lens[i] cached tokens (its own included). Returns query's shape.
     All lanes run as one padded batch; pad keys are masked out, and since the cache is
-    zero-initialised they cannot leak NaN/inf into the weighted sum."""
+    zero-initialised they cannot leak NaN/inf into the weighted sum. `plan`: plan_decode's
+    result for these block tables, when the caller has it."""
     seqs, heads, dim = query.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    # Whole blocks: a gathered length that is not a multiple of the block size would leave K a
-    # strided slice, which the matmul below first copies (measured 3x slower).
-    max_len = -(-int(context_lens.max()) // k_cache.shape[1]) * k_cache.shape[1]
-    k = gather_kv(k_cache, block_tables, max_len).flatten(2)  # [seqs, max_len, kv_heads * dim]
-    v = gather_kv(v_cache, block_tables, max_len).flatten(2)
+    plan = plan or plan_decode(block_tables, context_lens.to(query.device), k_cache.shape[1])
+    # As in gather_kv, whole blocks as rows: [seqs, max_len, kv_heads * dim].
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, plan.blocks).view(seqs, plan.max_len, -1)
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, plan.blocks).view(seqs, plan.max_len, -1)
     # Grouped-query attention without copying K/V per head or per group: each query head is laid out
     # across all kv_heads * dim columns, zero outside its own KV head's slice, so one batched matmul
     # with the lane's keys as they were gathered gives every head its scores. It spends kv_heads x
@@ -51,8 +71,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q = query.new_zeros(seqs, kv_heads, group, kv_heads, dim)
     q.diagonal(dim1=1, dim2=3).copy_(query.view(seqs, kv_heads, group, dim).permute(0, 2, 3, 1))
     scores = torch.bmm(q.view(seqs, heads, kv_heads * dim), k.transpose(1, 2)).float().mul_(scale)
-    pad = torch.arange(max_len, device=query.device) >= context_lens.to(query.device)[:, None]
-    probs = scores.masked_fill_(pad[:, None, :], float("-inf")).softmax(-1).to(v.dtype)
+    probs = scores.add_(plan.bias).softmax(-1).to(v.dtype)
     # The same trick backwards: head h's output is the slice of its row that belongs to its KV head.
     out = torch.bmm(probs, v).view(seqs, kv_heads, group, kv_heads, dim).diagonal(dim1=1, dim2=3)
     return out.permute(0, 3, 1, 2).reshape(seqs, heads, dim)
