@@ -330,6 +330,7 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.app = self.server.app
         self.timeout = self.app.timeout
+        self.checked = 0.0  # when _next last looked for a closed client socket
         super().setup()
 
     def log_message(self, format: str, *args) -> None:
@@ -417,16 +418,19 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4; charset=utf-8")
 
     def _next(self, replies: queue.Queue) -> RequestOutput | None:
-        """The next reply, checking before each wait whether the client closed its socket: readable yet
-        empty means it did (a pipelined request would make it readable, but not empty)."""
+        """The next reply, checking at most every 0.1 s (a syscall per token would cost the step loop
+        its GIL) whether the client closed its socket: readable yet empty means it did (a pipelined
+        request would make it readable, but not empty)."""
         while True:
-            try:
-                sock = self.connection
-                gone = select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK)
-            except OSError:
-                gone = True
-            if gone:
-                raise ClientGone
+            if time.monotonic() - self.checked > 0.1:
+                try:
+                    sock = self.connection
+                    gone = select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    gone = True
+                if gone:
+                    raise ClientGone
+                self.checked = time.monotonic()
             try:
                 item = replies.get(timeout=0.1)
             except queue.Empty:
