@@ -187,7 +187,7 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
         plan = None  # decode on CPU: the block-table work of attention, once for all layers
         if meta.max_query_len == 1 and not x.is_cuda:
-            plan = attention_cuda.plan_decode(meta.block_tables, meta.context_lens, kv_caches[0][0].shape[1])
+            plan = attention_cuda.plan_decode(meta.block_tables, meta.context_lens, kv_caches[0][0])
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, k_cache, v_cache, plan)
         x = F.rms_norm(x[meta.sample_rows], self.norm.shape, self.norm, self.config.rms_norm_eps)

@@ -37,16 +37,19 @@ class DecodePlan:
     blocks: torch.Tensor  # [num_seqs * blocks_per_seq] block ids to gather, lane after lane
     max_len: int          # tokens gathered per lane: whole blocks, so that K stays a plain matrix
     bias: torch.Tensor    # [num_seqs, 1, max_len] float32: 0 on a lane's tokens, -inf on the padding
+    spread: torch.Tensor  # [1, kv_heads, 1, kv_heads, 1]: the identity, to lay query heads out wide
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> DecodePlan:
     # Whole blocks: a length that is not a multiple of the block size would leave the gathered K a
     # strided slice, which the matmul in paged_attention first copies (measured 3x slower).
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-int(context_lens.max()) // block_size)
     max_len = num_blocks * block_size
-    pad = torch.arange(max_len, device=block_tables.device) >= context_lens[:, None]
+    pad = torch.arange(max_len, device=k_cache.device) >= context_lens.to(k_cache.device)[:, None]
     bias = torch.zeros(pad.shape, device=pad.device).masked_fill_(pad, float("-inf"))[:, None, :]
-    return DecodePlan(block_tables[:, :num_blocks].flatten(), max_len, bias)
+    spread = torch.eye(kv_heads, dtype=k_cache.dtype, device=k_cache.device).view(1, kv_heads, 1, kv_heads, 1)
+    return DecodePlan(block_tables[:, :num_blocks].flatten(), max_len, bias, spread)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,18 +63,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seqs, heads, dim = query.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    plan = plan or plan_decode(block_tables, context_lens.to(query.device), k_cache.shape[1])
+    plan = plan or plan_decode(block_tables, context_lens, k_cache)
     # As in gather_kv, whole blocks as rows: [seqs, max_len, kv_heads * dim].
     k = k_cache.view(k_cache.shape[0], -1).index_select(0, plan.blocks).view(seqs, plan.max_len, -1)
     v = v_cache.view(v_cache.shape[0], -1).index_select(0, plan.blocks).view(seqs, plan.max_len, -1)
     # Grouped-query attention without copying K/V per head or per group: each query head is laid out
-    # across all kv_heads * dim columns, zero outside its own KV head's slice, so one batched matmul
-    # with the lane's keys as they were gathered gives every head its scores. It spends kv_heads x
-    # the (small) attention FLOPs to save the transposing copies of K and V that dominate on CPU.
-    q = query.new_zeros(seqs, kv_heads, group, kv_heads, dim)
-    q.diagonal(dim1=1, dim2=3).copy_(query.view(seqs, kv_heads, group, dim).permute(0, 2, 3, 1))
-    scores = torch.bmm(q.view(seqs, heads, kv_heads * dim), k.transpose(1, 2)).float().mul_(scale)
-    probs = scores.add_(plan.bias).softmax(-1).to(v.dtype)
+    # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
+    # identity, exact), so one batched matmul with the lane's keys as they were gathered gives every
+    # head its scores. It spends kv_heads x the (small) attention FLOPs to save the transposing
+    # copies of K and V that dominate on CPU.
+    q = (query.view(seqs, kv_heads, group, 1, dim) * plan.spread).view(seqs, heads, kv_heads * dim)
+    scores = torch.add(plan.bias, torch.bmm(q, k.transpose(1, 2)), alpha=scale)  # float32, as bias is
+    probs = scores.softmax(-1).to(v.dtype)
     # The same trick backwards: head h's output is the slice of its row that belongs to its KV head.
     out = torch.bmm(probs, v).view(seqs, kv_heads, group, kv_heads, dim).diagonal(dim1=1, dim2=3)
     return out.permute(0, 3, 1, 2).reshape(seqs, heads, dim)
