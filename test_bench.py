@@ -67,8 +67,9 @@ def test_kernel_mode_on_cpu_times_the_reference(tmp_path, capsys):
 
 
 class Stub(BaseHTTPRequestHandler):
-    """A minimal OpenAI chat server: streams `max_tokens - short` one-character chunks, `delay` s apart."""
-    short, delay = 0, 0.0
+    """A minimal OpenAI chat server: streams `max_tokens - short` one-character chunks, `delay` s apart;
+    with `refuse`, answers every completion with that HTTP status and OpenAI's error JSON instead."""
+    short, delay, refuse = 0, 0.0, 0
 
     def log_message(self, *args):
         pass
@@ -79,6 +80,8 @@ class Stub(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert body["stream"] and body["stream_options"]["include_usage"] and body["ignore_eos"]
+        if self.refuse:
+            return self._json({"error": {"message": "no such luck", "type": "invalid_request_error"}}, self.refuse)
         n = body["max_tokens"] - self.short
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -99,9 +102,9 @@ class Stub(BaseHTTPRequestHandler):
         self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
         self.wfile.flush()
 
-    def _json(self, obj: dict) -> None:
+    def _json(self, obj: dict, status: int = 200) -> None:
         data = json.dumps(obj).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -112,8 +115,8 @@ class Stub(BaseHTTPRequestHandler):
 def stub():
     servers = []
 
-    def start(short: int = 0, delay: float = 0.0) -> str:
-        handler = type("Handler", (Stub,), {"short": short, "delay": delay})
+    def start(short: int = 0, delay: float = 0.0, refuse: int = 0) -> str:
+        handler = type("Handler", (Stub,), {"short": short, "delay": delay, "refuse": refuse})
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -137,6 +140,14 @@ def test_base_url_gives_the_same_table(stub, tmp_path, capsys):
 def test_token_count_disagreeing_with_the_request_fails_loudly(stub, tmp_path, capsys):
     rc, report, out, err = run(["--base-url", stub(short=1), "--max-tokens", "5"], tmp_path, capsys)
     assert rc == 1 and "usage says 4" in err and err.count("\n") == 1
+
+
+def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, capsys):
+    rc, report, out, err = run(["--base-url", stub(refuse=400), "--warmup", "0", "--concurrency", "1",
+                                "--mixed-num-short", "0"], tmp_path, capsys)
+    last = err.splitlines()[-1]  # after the progress line: one line saying what failed, with the server's words
+    assert rc == 1 and last.startswith("bench.py: error: requests failed") and "HTTP 400: no such luck" in last
+    assert report["runs"]["remote"]["sweep"][0]["metrics"]["failed"] == 2
 
 
 def test_unreachable_server_is_one_line(tmp_path, capsys):
