@@ -180,7 +180,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMeta,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]. Returns float32 logits for meta.sample_rows only:
+        """input_ids, positions: [num_tokens]. Returns logits (in the model's dtype) for meta.sample_rows only:
         the LM head is the largest matmul per token and mid-prompt rows never need it."""
         x = F.embedding(input_ids, self.embed)
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
@@ -191,4 +191,4 @@ class Transformer(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, k_cache, v_cache, plan)
         x = F.rms_norm(x[meta.sample_rows], self.norm.shape, self.norm, self.config.rms_norm_eps)
-        return linear(x, self.lm_head).float()
+        return linear(x, self.lm_head)
