@@ -61,7 +61,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (HF layout: the pairs are (i, i + head_dim/2)). x: [tokens, heads, dim];
-    sin comes with its first half negated (rope_tables), so that rotating half is a plain roll:
+    sin comes with its first half negated (Transformer.rope_sin), so rotating half is a plain roll:
     x * cos + (-x2, x1) * sin == x * cos + (x2, x1) * (-sin1, sin2)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
