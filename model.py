@@ -1,6 +1,8 @@
 """The network: a Llama-family decoder that runs one flattened batch of lanes over the paged KV cache."""
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,8 +94,8 @@ class Block(nn.Module):
         self.down = _weight(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                plan: attention_cuda.DecodePlan | None = None) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, decode: Callable) -> torch.Tensor:
+        """decode: paged_attention's signature, for one-token lanes (Transformer.forward picks it)."""
         c = self.c
         n, d = x.shape[0], c.head_dim
         qkv = linear(self.rms_norm(x, self.attn_norm), self.qkv).view(n, -1, d)
@@ -101,18 +103,14 @@ class Block(nn.Module):
         qk = apply_rope(qkv[:, :c.num_attention_heads + c.num_key_value_heads], cos, sin)
         q, k = qk.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
         v = qkv[:, c.num_attention_heads + c.num_key_value_heads:]
-        on_gpu = x.is_cuda  # our kernels there; the pure-PyTorch reference elsewhere
-        (attention_cuda.cuda_store_kv if on_gpu else attention_cuda.store_kv)(
-            k, v, k_cache, v_cache, meta.slot_mapping)
-        decode = attention_cuda.cuda_paged_attention if on_gpu else attention_cuda.paged_attention
+        store = attention_cuda.cuda_store_kv if x.is_cuda else attention_cuda.store_kv
+        store(k, v, k_cache, v_cache, meta.slot_mapping)
         scale = 1.0 / math.sqrt(d)
-        if meta.max_query_len > 1:
-            o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                      meta.query_start_loc, scale, decode)
-        elif on_gpu:
+        if meta.max_query_len == 1:
             o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         else:
-            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, plan)
+            o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                      meta.query_start_loc, scale, decode)
         x = x + linear(o.reshape(n, -1), self.o)
         gate, up = linear(self.rms_norm(x, self.mlp_norm), self.gate_up).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.down)
@@ -185,10 +183,13 @@ class Transformer(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
-        plan = None  # decode on CPU: the block-table work of attention, once for all layers
+        # Decode attention: our kernel on CUDA, else the reference, whose block-table work for an
+        # all-decode step is planned here once for every layer.
+        decode = attention_cuda.cuda_paged_attention if x.is_cuda else attention_cuda.paged_attention
         if meta.max_query_len == 1 and not x.is_cuda:
-            plan = attention_cuda.plan_decode(meta.block_tables, meta.context_lens, kv_caches[0][0])
+            decode = partial(decode, plan=attention_cuda.plan_decode(meta.block_tables, meta.context_lens,
+                                                                     kv_caches[0][0]))
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache, plan)
+            x = layer(x, cos, sin, meta, k_cache, v_cache, decode)
         x = F.rms_norm(x[meta.sample_rows], self.norm.shape, self.norm, self.config.rms_norm_eps)
         return linear(x, self.lm_head)

@@ -20,14 +20,18 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Blocks `blocks` (lane after lane, equally many each) as [num_seqs, tokens, kv_heads, dim].
+    A block is one contiguous row, so this is a row index_select: a memcpy per block, several
+    times faster on CPU than advanced indexing."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks).view(num_seqs, -1, *cache.shape[2:])
+
+
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """The first max_len cached tokens of each lane, in order: [num_seqs, max_len, kv_heads, dim].
     Unused block-table entries must point at a real block (0 is fine); the caller masks them."""
-    num_seqs, block_size = block_tables.shape[0], cache.shape[1]
-    num_blocks = (max_len + block_size - 1) // block_size
-    # A block is one contiguous row, so this is a row index_select: a memcpy per block.
-    rows = cache.view(cache.shape[0], -1).index_select(0, block_tables[:, :num_blocks].flatten())
-    return rows.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
+    num_blocks = (max_len + cache.shape[1] - 1) // cache.shape[1]
+    return _gather_blocks(cache, block_tables[:, :num_blocks].flatten(), block_tables.shape[0])[:, :max_len]
 
 
 @dataclass
@@ -64,9 +68,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     plan = plan or plan_decode(block_tables, context_lens, k_cache)
-    # As in gather_kv, whole blocks as rows: [seqs, max_len, kv_heads * dim].
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, plan.blocks).view(seqs, plan.max_len, -1)
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, plan.blocks).view(seqs, plan.max_len, -1)
+    k = _gather_blocks(k_cache, plan.blocks, seqs).flatten(2)  # [seqs, max_len, kv_heads * dim]
+    v = _gather_blocks(v_cache, plan.blocks, seqs).flatten(2)
     # Grouped-query attention without copying K/V per head or per group: each query head is laid out
     # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
     # identity, exact), so one batched matmul with the lane's keys as they were gathered gives every
