@@ -174,8 +174,8 @@ class Scheduler:
         scheduled this step while no block is free for it (possibly seq itself)."""
         n = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
         need = seq.num_computed_tokens + n
-        taken = {id(s) for s, _ in out.scheduled}
         while not self.blocks.can_allocate(seq.block_table, need):
+            taken = {id(s) for s, _ in out.scheduled}  # only when short of blocks: O(lanes) a step otherwise
             victim = max((s for s in self.running if id(s) not in taken), key=lambda s: s.arrival)
             self.preempt(victim, out)
             if victim is seq:
