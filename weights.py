@@ -3,7 +3,6 @@ import dataclasses
 import glob
 import importlib.util
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from model import ModelConfig
+from model import ModelConfig, rope_inv_freq
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -190,7 +189,9 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
         stored = _gguf_tensor(tensors.pop("rope_freqs.weight"), torch.float64).numpy()
         scaling = _llama3_scaling(float(stored.max()))
         scaling["original_max_position_embeddings"] = meta.get("llama.rope.scaling.original_context_length", 8192)
-        if not np.allclose(_llama3_rope_divisors(head_dim, theta, scaling), stored, rtol=1e-4):
+        plain, scaled = (rope_inv_freq(ModelConfig(head_dim=head_dim, rope_theta=theta, rope_scaling=r))
+                         for r in (None, scaling))
+        if not np.allclose((plain / scaled).numpy(), stored, rtol=1e-4):  # what each frequency is divided by
             raise ValueError(f"{path}: rope_freqs is not Llama 3 scaling with {scaling}")
     config = ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
@@ -215,16 +216,6 @@ def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
     # GGUF lists dimensions fastest-first, numpy slowest-first. torch.tensor copies, which matters for F32:
     # dequantize returns a read-only view of the memory-mapped file then.
     return torch.tensor(array.reshape([int(d) for d in reversed(t.shape)]), dtype=dtype)
-
-
-def _llama3_rope_divisors(head_dim: int, theta: float, s: dict) -> np.ndarray:
-    """What each RoPE frequency is divided by under Llama 3 scaling (llama.cpp's rope_freqs tensor)."""
-    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
-    orig = s["original_max_position_embeddings"]
-    smooth = (orig / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
-    blended = 1 / ((1 - smooth) / s["factor"] + smooth)
-    long = np.where(wavelen > orig / s["low_freq_factor"], s["factor"], blended)
-    return np.where(wavelen < orig / s["high_freq_factor"], 1.0, long)
 
 
 def _load_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
