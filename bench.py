@@ -193,13 +193,12 @@ class Client:
         writer.write(f"{method} {b.path}{path} HTTP/1.1\r\nHost: {b.netloc}\r\nConnection: close\r\n"
                      f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        status_line = await reader.readline()
+        status_line = (await reader.readline()).split()
         headers = {}
         while (line := await reader.readline()).strip():
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip()
-        status = int(status_line.split()[1]) if len(status_line.split()) > 1 else 0
-        return reader, writer, status, headers
+        return reader, writer, int(status_line[1]) if len(status_line) > 1 else 0, headers
 
     @staticmethod
     async def _body(reader, headers: dict):

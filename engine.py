@@ -222,7 +222,8 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step with room for it."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str) else list(prompt)
+        ids = (self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str)
+               else list(prompt))
         if not ids:
             raise ValueError("prompt is empty")
         if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
