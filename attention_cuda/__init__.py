@@ -40,7 +40,7 @@ class DecodePlan:
     made once per step (plan_decode) instead of once per layer."""
     blocks: torch.Tensor  # [num_seqs * blocks_per_seq] block ids to gather, lane after lane
     max_len: int          # tokens gathered per lane: whole blocks, so that K stays a plain matrix
-    bias: torch.Tensor    # [num_seqs, 1, max_len] float32: 0 on a lane's tokens, -inf on the padding
+    bias: torch.Tensor    # [num_seqs, 1, max_len] in the cache's dtype: 0 on a lane's tokens, -inf on the padding
     spread: torch.Tensor  # [1, kv_heads, 1, kv_heads, 1]: the identity, to lay query heads out wide
 
 
@@ -51,7 +51,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache:
     num_blocks = -(-int(context_lens.max()) // block_size)
     max_len = num_blocks * block_size
     pad = torch.arange(max_len, device=k_cache.device) >= context_lens.to(k_cache.device)[:, None]
-    bias = torch.zeros(pad.shape, device=pad.device).masked_fill_(pad, float("-inf"))[:, None, :]
+    bias = torch.zeros(pad.shape, dtype=k_cache.dtype, device=pad.device).masked_fill_(pad, float("-inf"))[:, None, :]
     spread = torch.eye(kv_heads, dtype=k_cache.dtype, device=k_cache.device).view(1, kv_heads, 1, kv_heads, 1)
     return DecodePlan(block_tables[:, :num_blocks].flatten(), max_len, bias, spread)
 
@@ -76,8 +76,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # head its scores. It spends kv_heads x the (small) attention FLOPs to save the transposing
     # copies of K and V that dominate on CPU.
     q = (query.view(seqs, kv_heads, group, 1, dim) * plan.spread).view(seqs, heads, kv_heads * dim)
-    scores = torch.add(plan.bias, torch.bmm(q, k.transpose(1, 2)), alpha=scale)  # float32, as bias is
-    probs = scores.softmax(-1).to(v.dtype)
+    # Scale and pad mask ride in the matmul, and softmax runs in the cache's dtype (it widens to
+    # float32 inside): two passes over the scores fewer than a float32 add, softmax and narrowing,
+    # and the same bits where the scale is a power of two (head_dim 64), else within a rounding.
+    probs = torch.baddbmm(plan.bias, q, k.transpose(1, 2), alpha=scale).softmax(-1)
     # The same trick backwards: head h's output is the slice of its row that belongs to its KV head.
     out = torch.bmm(probs, v).view(seqs, kv_heads, group, kv_heads, dim).diagonal(dim1=1, dim2=3)
     return out.permute(0, 3, 1, 2).reshape(seqs, heads, dim)
