@@ -68,6 +68,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """On CPU, computed as the LayerNorm of [x, -x]: its mean is 0 and its variance mean(x^2), so its
+    first half is x / sqrt(mean(x^2) + eps). LayerNorm is one fused kernel on CPU where F.rms_norm is
+    eight ops; measured about 1 ms less per step at batch 1, the same values to float32 rounding."""
+    if x.is_cuda:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    d = x.shape[-1]
+    return F.layer_norm(torch.cat((x, x.neg()), -1), (2 * d,), None, None, eps)[..., :d] * weight
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if w.is_mkldnn:  # prepacked by Transformer.prepack_for_cpu
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
@@ -97,12 +107,11 @@ class Block(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, decode: Callable) -> torch.Tensor:
         """decode: paged_attention's signature, for one-token lanes (Transformer.forward picks it)."""
         c = self.c
-        n, d = x.shape[0], c.head_dim
-        qkv = linear(self.rms_norm(x, self.attn_norm), self.qkv).view(n, -1, d)
+        n, d, h, kv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        qkv = linear(rms_norm(x, self.attn_norm, c.rms_norm_eps), self.qkv).view(n, -1, d)
         # Q and K heads take the same rotation, so they are rotated together in one pass.
-        qk = apply_rope(qkv[:, :c.num_attention_heads + c.num_key_value_heads], cos, sin)
-        q, k = qk.split([c.num_attention_heads, c.num_key_value_heads], dim=1)
-        v = qkv[:, c.num_attention_heads + c.num_key_value_heads:]
+        qk = apply_rope(qkv[:, :h + kv], cos, sin)
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
         store = attention_cuda.cuda_store_kv if x.is_cuda else attention_cuda.store_kv
         store(k, v, k_cache, v_cache, meta.slot_mapping)
         scale = 1.0 / math.sqrt(d)
@@ -112,11 +121,8 @@ class Block(nn.Module):
             o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                       meta.query_start_loc, scale, decode)
         x = x + linear(o.reshape(n, -1), self.o)
-        gate, up = linear(self.rms_norm(x, self.mlp_norm), self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, weight.shape, weight, self.c.rms_norm_eps)
+        gate_up, i = linear(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.gate_up), c.intermediate_size
+        return x + linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], self.down)
 
 
 class Transformer(nn.Module):
@@ -191,5 +197,5 @@ class Transformer(nn.Module):
                                                                      kv_caches[0][0]))
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, k_cache, v_cache, decode)
-        x = F.rms_norm(x[meta.sample_rows], self.norm.shape, self.norm, self.config.rms_norm_eps)
+        x = rms_norm(x[meta.sample_rows], self.norm, self.config.rms_norm_eps)
         return linear(x, self.lm_head)
