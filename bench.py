@@ -99,6 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g("--model-path", help="checkpoint for --model")
     g("--dummy-weights", action="store_true", help="random weights in the preset's shapes")
     g("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype)
+    g("--quantization", choices=["int4"], help="CPU: 4-bit matmul weights")
     g("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     g("--max-num-seqs", type=pos, default=d.max_num_seqs)
     g("--max-num-batched-tokens", type=pos, default=d.max_num_batched_tokens)

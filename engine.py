@@ -68,6 +68,7 @@ class EngineConfig:
     dummy_weights: bool = False
     device: str = "auto"            # cuda when available, else cpu
     dtype: str = "auto"             # bfloat16 on cuda and on cpus with bf16 matrix units, else float32
+    quantization: str | None = None   # "int4": 4-bit matmul weights (cpu), faster for few lanes
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
@@ -104,6 +105,7 @@ class EngineConfig:
              f"unknown device {self.device!r}"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"),
              "dtype must be auto, float32, float16 or bfloat16"),
+            (self.quantization in (None, "int4"), f"unknown quantization {self.quantization!r} (int4 or none)"),
         ]
         _require(checks)
 
@@ -146,6 +148,8 @@ class Engine:
                                    "cuda" if torch.cuda.is_available() else "cpu")
         default = torch.bfloat16 if self.device.type == "cuda" or _cpu_has_bf16_units() else torch.float32
         self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
+        if c.quantization and self.device.type != "cpu":
+            raise ValueError("--quantization int4 runs on CPU only (torch's 4-bit CPU matmul)")
         if c.dummy_weights:
             if c.model not in weights.PRESETS:
                 raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
@@ -164,6 +168,8 @@ class Engine:
                              f"{self.model_config.max_position_embeddings}")
         self.model = Transformer(self.model_config, self.max_model_len, self.device)
         self.model.load_hf_state_dict(state)
+        if c.quantization:
+            self.model.quantize_int4_for_cpu()
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
             self.model.prepack_for_cpu(c.max_num_seqs)
 

@@ -569,6 +569,8 @@ def _parser() -> ArgumentParser:
       help="continuous (iteration-level) batching, or static (request-level) for comparison")
     a("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype,
       help="weights and KV dtype (default auto: bfloat16 on CUDA and on CPUs with bf16 units, else float32)")
+    a("--quantization", choices=["int4"], help="CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): faster "
+                                               "for a few streams, slower for many (default: none)")
     a("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, without CUDA graphs")
     a("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default auto: CUDA when available)")
     a("--seed", type=_number(int, 0), default=d.seed, help=f"seeds requests that bring none (default {d.seed})")

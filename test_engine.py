@@ -7,6 +7,7 @@ import torch
 
 import weights
 from engine import LLM, SamplingParams
+from model import linear, quantize_int4
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -171,6 +172,47 @@ def test_bad_requests(llm):
         llm.add_request([1, 2, 3], SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="empty"):
         llm.add_request([], SamplingParams())
+
+
+def test_int4_gives_back_the_checkpoints_own_q4_blocks():
+    # The default GGUF keeps every layer matmul in Q4_1: requantizing its dequantized weights must
+    # recover them exactly (read back through the 4-bit matmul with the identity as input).
+    _, state = weights.load_weights(weights.resolve_checkpoint(), torch.float32)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        w = state[name]
+        assert torch.equal(linear(torch.eye(w.shape[1]), quantize_int4(w)).T, w)
+    # Any other weight lands within half a step of its group's 16 levels.
+    w = torch.randn(64, 96)
+    step = (w.view(64, 3, 32).amax(-1) - w.view(64, 3, 32).amin(-1)) / 15
+    err = (linear(torch.eye(96), quantize_int4(w)).T - w).abs().view(64, 3, 32)
+    assert (err <= step[..., None] / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_int4(torch.randn(8, 48))
+
+
+@pytest.mark.parametrize("quantization, dtype", [(None, "bfloat16"), ("int4", "bfloat16"), ("int4", "float32")])
+def test_lanes_independent_in_every_cpu_mode(quantization, dtype):
+    # The budget takes every prompt whole: a prompt split at other points (the shared budget decides
+    # where) rounds differently in bfloat16, which the closing notes track; float32 is covered above.
+    engine = LLM(quantization=quantization, max_num_batched_tokens=2048, num_kv_blocks=256, dtype=dtype,
+                 device="cpu")
+    prompts = [engine.tokenizer.apply_chat_template(c) for c in CHATS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    together = engine.generate(prompts, params)
+    for ids, out in zip(prompts, together):
+        assert engine.generate([ids], params)[0].token_ids == out.token_ids
+
+
+def test_int4_is_the_same_model(llm):
+    # In float32 the 4-bit weights are the checkpoint's own: only the summation order differs.
+    q4 = LLM(quantization="int4", max_num_batched_tokens=32, num_kv_blocks=256, dtype="float32", device="cpu")
+    prompt = q4.tokenizer.apply_chat_template(CHATS[0])
+    top5 = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    logits = [engine.generate([prompt], top5)[0].logprob.top for engine in (llm, q4)]
+    assert [t for t, _ in logits[0]] == [t for t, _ in logits[1]]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(*logits)) < 1e-3
+    with pytest.raises(ValueError, match="CPU only"):
+        LLM(quantization="int4", device="cuda")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
