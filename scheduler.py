@@ -89,6 +89,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # ... and served from it
+        # Prefills are cut on a fixed grid: see _cut. A cell fits beside one decode
+        # token from every other lane, so the oldest prefill always makes progress.
+        self.prefill_chunk = max(blocks.block_size, config.max_num_batched_tokens - config.max_num_seqs + 1)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,8 +115,8 @@ class Scheduler:
                 self._reserve(seq, out)
         while self.swapped and self.budget and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
-            if not self.blocks.can_allocate([], seq.num_computed_tokens + n):
+            n = self._cut(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens)
+            if n == 0 or not self.blocks.can_allocate([], seq.num_computed_tokens + n):
                 break
             self.swapped.popleft()
             self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
@@ -137,7 +140,7 @@ class Scheduler:
         n = seq.num_tokens - cached
         if n > self.budget and not self.config.enable_chunked_prefill:
             n = 0
-        n = min(n, self.budget)
+        n = self._cut(n, cached)
         if n == 0 or not self.blocks.can_allocate(seq.block_table, cached + n):
             self.blocks.free(seq.block_table)
             return False
@@ -162,6 +165,17 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
 
+    def _cut(self, n: int, computed: int) -> int:
+        """How many of the n tokens from position `computed` on run this step; 0 if they do not
+        fit the budget left. With chunked prefill a lane computes exactly one cell of a fixed grid
+        (multiples of prefill_chunk) per step, never part of one: where its prompt is cut then
+        depends on nothing else in the batch, and neither does how its attention rounds (in
+        bfloat16, a prompt cut at other points can give other tokens)."""
+        if not self.config.enable_chunked_prefill:
+            return min(n, self.budget)
+        n = min(n, self.prefill_chunk - computed % self.prefill_chunk)
+        return n if n <= self.budget else 0
+
     def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         if seq.status is not Status.RUNNING:
             seq.status = Status.RUNNING
@@ -172,7 +186,9 @@ class Scheduler:
     def _reserve(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Schedule running lane seq, preempting the most recently arrived running lanes not yet
         scheduled this step while no block is free for it (possibly seq itself)."""
-        n = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
+        n = self._cut(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens)
+        if n == 0:
+            return
         need = seq.num_computed_tokens + n
         while not self.blocks.can_allocate(seq.block_table, need):
             taken = {id(s) for s, _ in out.scheduled}  # only when short of blocks: O(lanes) a step otherwise
