@@ -89,8 +89,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # ... and served from it
-        # Prefills are cut on a fixed grid: see _cut. A cell fits beside one decode
-        # token from every other lane, so the oldest prefill always makes progress.
+        # Prefills are cut on a fixed grid: see _cut. A cell fits beside one decode token from
+        # every other lane (unless that leaves less than a block), so the oldest prefill progresses.
         self.prefill_chunk = max(blocks.block_size, config.max_num_batched_tokens - config.max_num_seqs + 1)
 
     def add(self, seq: Sequence) -> None:
