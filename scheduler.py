@@ -89,9 +89,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # ... and served from it
-        # Prefills are cut on a fixed grid: see _cut. A cell fits beside one decode token from
+        # Prefills are cut on a fixed grid: see _cut. A chunked cell fits beside one decode token from
         # every other lane (unless that leaves less than a block), so the oldest prefill progresses.
-        self.prefill_chunk = max(blocks.block_size, config.max_num_batched_tokens - config.max_num_seqs + 1)
+        # Unchunked, a cell is the whole budget: add_request refuses longer prompts, so only a lane
+        # recomputed after preemption spans several.
+        self.prefill_chunk = (max(blocks.block_size, config.max_num_batched_tokens - config.max_num_seqs + 1)
+                              if config.enable_chunked_prefill else config.max_num_batched_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,7 +118,7 @@ class Scheduler:
                 self._reserve(seq, out)
         while self.swapped and self.budget and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = self._cut(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens)
+            n = self._cut(seq, seq.num_computed_tokens)
             if n == 0 or not self.blocks.can_allocate([], seq.num_computed_tokens + n):
                 break
             self.swapped.popleft()
@@ -134,13 +137,10 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Start a waiting lane: share what the prefix cache holds, then compute as much of the
-        rest as the budget allows. False (and nothing held) if it does not fit."""
+        """Start a waiting lane: share what the prefix cache holds, then compute the first cell of
+        the rest. False (and nothing held) if it does not fit."""
         cached = self.blocks.match_prefix(seq.block_table, seq.token_ids)
-        n = seq.num_tokens - cached
-        if n > self.budget and not self.config.enable_chunked_prefill:
-            n = 0
-        n = self._cut(n, cached)
+        n = self._cut(seq, cached)
         if n == 0 or not self.blocks.can_allocate(seq.block_table, cached + n):
             self.blocks.free(seq.block_table)
             return False
@@ -165,15 +165,12 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
 
-    def _cut(self, n: int, computed: int) -> int:
-        """How many of the n tokens from position `computed` on run this step; 0 if they do not
-        fit the budget left. With chunked prefill a lane computes exactly one cell of a fixed grid
-        (multiples of prefill_chunk) per step, never part of one: where its prompt is cut then
-        depends on nothing else in the batch, and neither does how its attention rounds (in
-        bfloat16, a prompt cut at other points can give other tokens)."""
-        if not self.config.enable_chunked_prefill:
-            return min(n, self.budget)
-        n = min(n, self.prefill_chunk - computed % self.prefill_chunk)
+    def _cut(self, seq: Sequence, computed: int) -> int:
+        """How many of seq's tokens from position `computed` on run this step: exactly one cell of
+        a fixed grid (multiples of prefill_chunk), never part of one, or 0 if the cell does not fit
+        the budget left. Where a prompt is cut then depends on nothing else in the batch, and
+        neither does how its attention rounds (in bfloat16, other cuts can give other tokens)."""
+        n = min(seq.num_tokens - computed, self.prefill_chunk - computed % self.prefill_chunk)
         return n if n <= self.budget else 0
 
     def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
@@ -186,7 +183,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Schedule running lane seq, preempting the most recently arrived running lanes not yet
         scheduled this step while no block is free for it (possibly seq itself)."""
-        n = self._cut(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens)
+        n = self._cut(seq, seq.num_computed_tokens)
         if n == 0:
             return
         need = seq.num_computed_tokens + n

@@ -49,6 +49,25 @@ def test_preemption_keeps_outputs(roomy, mode):
         assert swap.num_free_blocks == swap.num_blocks
 
 
+def test_unchunked_recompute_of_a_lane_longer_than_the_budget(roomy):
+    # Without chunked prefill a prompt runs whole, but a lane recomputed after preemption holds more
+    # tokens than the budget: it must still come back, in budget-sized pieces. Two 100-token prompts
+    # fill the 14 blocks; the second is preempted with 100 + a dozen tokens, over the 104 budget.
+    prompts = [list(range(1000, 1100)), list(range(2000, 2100))]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    expected = run(roomy, prompts, params)
+    tight = LLM(num_kv_blocks=14, max_num_batched_tokens=104, enable_chunked_prefill=False,
+                dtype="float32", device="cpu")
+    ids = [tight.add_request(p, params) for p in prompts]
+    done = {}
+    for _ in range(1000):  # a lane that can never come back would loop here forever
+        done.update((o.request_id, o.token_ids) for o in tight.step() if o.finished)
+        if not tight.has_unfinished():
+            break
+    assert [done.get(i) for i in ids] == expected
+    assert tight.stats()["num_preemptions"] > 0
+
+
 def test_request_that_can_never_fit_is_rejected():
     tiny = LLM(num_kv_blocks=4, dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="KV blocks"):
