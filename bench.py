@@ -1,5 +1,6 @@
 """Measurement: the throughput/latency curve over concurrency, goodput at an SLO, a mixed short/long probe,
-continuous vs static batching, offline throughput and the attention kernel, against any OpenAI-compatible server.
+continuous vs static batching and offline throughput, against any OpenAI-compatible server (the attention
+kernel has its own, bench_kernel.py).
 
 Every number is taken from outside, as a user sees it: streamed over real HTTP, TTFT at the first content
 chunk, ITL between content chunks, token counts from the server's usage. Every run stops by itself: each phase
@@ -20,13 +21,13 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-import weights
-from engine import LLM, EngineConfig, SamplingParams
+from config import DEFAULT_MODEL, EngineConfig, add_cli_args, from_cli_args
+from engine import LLM, SamplingParams
 from serve import Server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,7 +64,6 @@ def _number(kind: type, zero_ok: bool = False):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    d = EngineConfig()
     p = ArgumentParser(prog="bench.py", formatter_class=_Help,
                        description="Serving benchmark: by default serves the model from this process on a free "
                        "loopback port and measures it over HTTP from a client process; --base-url measures any "
@@ -73,7 +73,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--api-key", default="none", help="bearer token for --base-url")
     a("--compare-static", action="store_true", help="also run everything against a static-batching server")
     a("--offline", action="store_true", help="offline throughput through LLM.generate's step loop, no HTTP")
-    a("--kernel", action="store_true", help="time attention_cuda.paged_attention (decode), Llama-3-8B shapes")
     a("--concurrency", type=pos, nargs="+", default=[1, 4, 16, 64], help="client counts to sweep")
     a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos)")
     a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
@@ -88,40 +87,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--num-prompts", type=pos, default=256, help="--offline: sequences")
     a("--min-len", type=pos, default=100, help="--offline: shortest prompt and output, tokens")
     a("--max-len", type=pos, default=1024, help="--offline: longest prompt and output, tokens")
-    a("--kernel-batches", type=pos, nargs="+", help="--kernel: batch sizes (1..256 on CUDA)")
-    a("--kernel-contexts", type=pos, nargs="+", help="--kernel: context lengths (512..8192 on CUDA)")
     a("--time-limit", type=num, default=540, help="seconds for the whole run, model loading included")
     a("--request-timeout", type=num, default=300, help="seconds for one request")
     a("--json", metavar="PATH", help="write every number, per-request arrays and the configuration here")
     a("--plot", metavar="PATH", help="PNG: throughput vs p95 latency, and the mixed probe's timeline")
-    g = p.add_argument_group("engine (in-process server; as serve.py)").add_argument
-    g("--model", help=f"preset, HF repo id or path ({d.model}); with --base-url, the model to request")
-    g("--model-path", help="checkpoint for --model")
-    g("--dummy-weights", action="store_true", help="random weights in the preset's shapes")
-    g("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype)
-    g("--quantization", choices=["int4"], help="CPU: 4-bit matmul weights")
-    g("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    g("--max-num-seqs", type=pos, default=d.max_num_seqs)
-    g("--max-num-batched-tokens", type=pos, default=d.max_num_batched_tokens)
-    g("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill)
-    g("--enable-prefix-caching", action="store_true")
-    g("--block-size", type=pos, default=d.block_size)
-    g("--num-kv-blocks", type=pos)
-    g("--kv-cache-memory", type=num, default=d.kv_cache_memory, help="GiB of KV pool on CPU")
-    g("--gpu-memory-utilization", type=num, default=d.gpu_memory_utilization)
-    g("--max-model-len", type=pos)
-    g("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode)
-    g("--seed", type=count, default=0, help="engine seed, and --offline's lengths and prompts")
-    g("--torch-threads", type=pos, help="torch intra-op threads (default: torch's, one per core)")
+    add_cli_args(p, "engine (the in-process server's, as serve.py's)")
+    p.set_defaults(model=None)  # with --base-url, a model given is the one requested; else the server's default
     args = p.parse_args(argv)
-    if args.offline + args.kernel + bool(args.base_url) > 1:
-        p.error("--offline, --kernel and --base-url are separate modes; pick one")
+    if args.offline and args.base_url:
+        p.error("--offline and --base-url are separate modes; pick one")
     if args.base_url and args.compare_static:
         p.error("--compare-static needs the in-process server (it starts a static one); drop --base-url")
     if args.min_len > args.max_len:
         p.error(f"--min-len ({args.min_len}) is above --max-len ({args.max_len})")
     try:
-        engine_config(args).validate()
+        engine_config(args)
     except ValueError as e:
         p.error(str(e))
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -130,9 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def engine_config(args: argparse.Namespace, scheduling: str = "continuous") -> EngineConfig:
-    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
-    return EngineConfig(**{**given, "scheduling": scheduling})
+def engine_config(args: argparse.Namespace, scheduling: str | None = None) -> EngineConfig:
+    return from_cli_args(args, **({"scheduling": scheduling} if scheduling else {}))
 
 
 class Progress:
@@ -445,7 +424,7 @@ def _measure_in_child(args, url: str, label: str, seconds: float, conn) -> None:
 
 
 def run_online(args, deadline: float, report: dict) -> None:
-    labels = ["remote"] if args.base_url else ["continuous"] + ["static"] * args.compare_static
+    labels = ["remote"] if args.base_url else ["continuous", "static"] if args.compare_static else [args.scheduling]
     for i, label in enumerate(labels):
         until = time.perf_counter() + (deadline - time.perf_counter()) / (len(labels) - i)  # a fair share each
         if args.base_url:
@@ -502,66 +481,6 @@ def run_offline(args, deadline: float, report: dict) -> None:
                          "prompt_lens": [len(p) for p in prompts], "output_lens": outs}
 
 
-def run_kernel(args, deadline: float, report: dict) -> None:
-    """Decode attention on Llama-3-8B shapes: our CUDA kernel beside the PyTorch reference. Bandwidth counts the
-    bytes that must be read (every lane's K and V, and Q): decode attention is memory-bound."""
-    import attention_cuda as ac
-    dev = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-    cuda = dev.type == "cuda"
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
-    heads, kv_heads, dim, block = 32, 8, 128, 16
-    batches = args.kernel_batches or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 4, 16])
-    contexts = args.kernel_contexts or ([512, 1024, 2048, 4096, 8192] if cuda else [512, 1024])
-    rows = report["kernel"] = []
-
-    def timed(fn) -> tuple[torch.Tensor, float]:
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        out = fn()  # warm-up (on CUDA the first call may also build the kernel)
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        n = int(min(1000, max(3, 0.2 / max(time.perf_counter() - t, 1e-6))))  # about 0.2 s of repeats
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        return out, (time.perf_counter() - t) / n * 1000
-
-    if cuda:
-        print("bench.py: loading the CUDA kernel (built on first use: can take minutes) ...", file=sys.stderr)
-    for ctx in contexts:
-        for bs in batches:
-            if time.perf_counter() > deadline:
-                return
-            nblk = -(-ctx // block)
-            k, v = (torch.randn(bs * nblk, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
-            q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
-            tables = torch.randperm(bs * nblk, device=dev).view(bs, nblk).to(torch.int32)  # scattered, as in a pool
-            lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
-            nbytes = (2 * bs * ctx * kv_heads * dim + q.numel()) * k.element_size()
-            row, out, ref = {"batch": bs, "context": ctx, "bytes": nbytes}, None, None
-            if cuda:
-                try:
-                    out, row["kernel_ms"] = timed(lambda: ac.cuda_paged_attention(q, k, v, tables, lens, dim ** -0.5))
-                except RuntimeError as e:  # the build failed: its message says what is missing
-                    raise BenchError(str(e)) from e
-                row["kernel_gbps"] = nbytes / row["kernel_ms"] / 1e6
-            # The reference gathers each lane's K/V and repeats it per query head: about 12x the cache in temporaries.
-            if not cuda or 12 * nbytes < 0.8 * torch.cuda.mem_get_info(dev)[0]:
-                try:
-                    ref, row["reference_ms"] = timed(lambda: ac.paged_attention(q, k, v, tables, lens, dim ** -0.5))
-                    row["reference_gbps"] = nbytes / row["reference_ms"] / 1e6
-                except torch.cuda.OutOfMemoryError:
-                    pass
-            if out is not None and ref is not None:
-                row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
-            rows.append(row)
-            del k, v, q, out, ref
-            if cuda:
-                torch.cuda.empty_cache()
-
-
 def fmt(x) -> str:
     return "-" if x is None else str(x) if isinstance(x, int) else f"{x:.2f}"
 
@@ -613,15 +532,6 @@ def print_report(report: dict, args) -> None:
         print(f"\nOffline: {o['finished']}/{o['num_prompts']} sequences{' (partial)' if o['partial'] else ''}, "
               f"{o['prompt_tokens']} prompt tokens, {o['output_tokens']} output tokens in {o['time_s']:.2f}s: "
               f"{o['output_throughput']:.2f} output tok/s")
-    if rows := report.get("kernel"):
-        print(f"\n{'context':>8}{'batch':>7}{'KV+Q MB':>10}{'kernel ms':>11}{'GB/s':>9}{'ref ms':>10}{'GB/s':>9}"
-              f"{'speedup':>9}{'max|diff|':>11}")
-        for r in rows:
-            speedup = r["reference_ms"] / r["kernel_ms"] if "kernel_ms" in r and "reference_ms" in r else None
-            print(f"{r['context']:>8}{r['batch']:>7}{r['bytes'] / 1e6:>10.1f}" + "".join(
-                f"{fmt(v):>{n}}" for v, n in [(r.get("kernel_ms"), 11), (r.get("kernel_gbps"), 9),
-                                              (r.get("reference_ms"), 10), (r.get("reference_gbps"), 9),
-                                              (speedup, 9), (r.get("max_abs_diff"), 11)]))
 
 
 def plot(report: dict, path: str) -> None:
@@ -672,13 +582,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.torch_threads)
     deadline = time.perf_counter() + args.time_limit
     knobs = {**vars(args), "api_key": "(set)" if args.api_key != "none" else None}  # no secrets in reports
-    report: dict = {"config": {"knobs": knobs, "model": args.model or weights.DEFAULT_MODEL,
+    report: dict = {"config": {"knobs": knobs, "model": args.model or DEFAULT_MODEL,
                                "base_url": args.base_url, "versions": versions()}, "runs": {}}
     error = None
     try:
-        if args.kernel:
-            run_kernel(args, deadline, report)
-        elif args.offline:
+        if args.offline:
             run_offline(args, deadline, report)
         else:
             run_online(args, deadline, report)

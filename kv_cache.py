@@ -1,37 +1,47 @@
-"""Paged KV memory: physical K/V blocks per layer, the block pool, each lane's block table,
+"""Paged KV memory: physical K/V blocks per layer, the block pool, each sequence's block table,
 the opt-in prefix cache, and swap space on the host.
 
-A lane's token at position p lives in block block_table[p // block_size], row p % block_size:
-physical slot = block_id * block_size + p % block_size. Blocks are handed out when a lane
-first needs them and return to the pool the moment the lane finishes."""
+A sequence's token at position p lives in block block_table[p // block_size], row p % block_size:
+physical slot = block_id * block_size + p % block_size. Blocks are handed out when a sequence
+first needs them and return to the pool the moment the sequence finishes."""
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
-from model import ModelConfig
+
+@dataclass
+class KVShape:
+    """What the cache needs to know of the model."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        # K and V, every layer, every KV head.
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    # K and V, every layer, every KV head.
-    return (2 * config.num_hidden_layers * block_size * config.num_key_value_heads
-            * config.head_dim * torch.finfo(dtype).bits // 8)
+def slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Physical slots of positions start..end-1 of the sequence owning block_table."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 class KVCache:
     """The physical tensors: per layer, k and v of shape [num_blocks, block_size, kv_heads, head_dim],
-    plus the same layout on the host for swapped-out lanes. Zero-initialised so that masked-out
+    plus the same layout on the host for swapped-out sequences. Zero-initialised so that masked-out
     padding reads in attention are finite."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, kv: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_swap_blocks: int = 0):
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                         torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(config.num_hidden_layers)]
+                       for _ in range(kv.num_layers)]
         host = (num_swap_blocks, *shape[1:])
         pin = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
         self.host = [(torch.zeros(host, dtype=dtype, pin_memory=pin), torch.zeros(host, dtype=dtype, pin_memory=pin))
-                     for _ in range(config.num_hidden_layers)] if num_swap_blocks else []
+                     for _ in range(kv.num_layers)] if num_swap_blocks else []
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
         """Copy (device block -> host block) pairs out, then (host block -> device block) pairs in.
@@ -51,7 +61,7 @@ class KVCache:
 class BlockManager:
     """A pool of block ids: an LRU-ordered free list and reference counts. With prefix caching,
     every full block is published under a hash chain, h_i = hash((h_{i-1}, tokens of block i)),
-    so a block's key names its whole prefix. A new lane whose prompt starts with the same blocks
+    so a block's key names its whole prefix. A new sequence whose prompt starts with the same blocks
     shares them (ref count + 1) instead of recomputing them. Freed blocks keep their content and key
     until the pool hands them out again, oldest-freed first. (Keys are 64-bit hashes; a collision,
     vanishingly unlikely, would share a wrong block.)"""
@@ -70,7 +80,7 @@ class BlockManager:
         return len(self.free_blocks)
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
-        """How many more blocks a lane holding block_table needs to cache num_tokens in total."""
+        """How many more blocks a sequence holding block_table needs to cache num_tokens in total."""
         return max(0, -(-num_tokens // self.block_size) - len(block_table))
 
     def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
@@ -89,22 +99,17 @@ class BlockManager:
             block_table.append(block)
 
     def free(self, block_table: list[int]) -> None:
-        # Tail blocks first, so they are evicted before the prefix blocks more lanes can share.
+        # Tail blocks first, so they are evicted before the prefix blocks more sequences can share.
         for block in reversed(block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         block_table.clear()
 
-    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Physical slots of positions start..end-1 of the lane owning block_table."""
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
-
     def match_prefix(self, block_table: list[int], token_ids: list[int]) -> int:
         """Share the cached full blocks that start token_ids into an empty block_table; returns
         how many tokens they cover. The block holding the last token is never shared: that token
-        is always computed, for its logits, and a lane must never write into a shared block."""
+        is always computed, for its logits, and a sequence must never write into a shared block."""
         if not self.enable_prefix_caching:
             return 0
         bs, h = self.block_size, None
@@ -131,4 +136,4 @@ class BlockManager:
                 continue  # already keyed (shared), or its prefix is unknown (swapped back in)
             h = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
             self.block_hash[block] = h
-            self.cached.setdefault(h, block)  # a twin computed by another lane keeps the entry
+            self.cached.setdefault(h, block)  # a twin computed by another sequence keeps the entry

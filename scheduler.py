@@ -1,85 +1,29 @@
 """Who runs this step: sequences, their states, and iteration-level admission under a token budget."""
 from __future__ import annotations
 
-import itertools
 from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
+from config import EngineConfig
 from kv_cache import BlockManager
-
-if TYPE_CHECKING:
-    from engine import SamplingParams
-
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-_arrivals = itertools.count()
-
-
-@dataclass(slots=True, eq=False)
-class Sequence:
-    """One request's lane. token_ids holds prompt then generated tokens; the first
-    num_computed_tokens of them have their K/V in the cache (blocks in block_table)."""
-    request_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    num_prompt_tokens: int = 0
-    num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
-    swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
-    status: Status = Status.WAITING
-    finish_reason: str | None = None
-    arrival: int = field(default_factory=lambda: next(_arrivals))
-    generator: Any = None    # the lane's own torch.Generator, so its samples ignore its neighbours
-    detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
-
-    def __post_init__(self):
-        self.num_prompt_tokens = len(self.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def is_prefilling(self) -> bool:
-        # A decoding lane has exactly one uncached token: the one it sampled last step.
-        return self.num_tokens - self.num_computed_tokens > 1
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
-    # "continuous": the batch is rebuilt every step. "static": a new batch is admitted only once
-    # every lane of the previous one has finished (request-level batching, for comparison).
-    scheduling: str = "continuous"
-    # When a running lane needs a block and none is free, the most recently arrived lane is
-    # preempted: "recompute" drops its KV, "swap" copies it to host memory (recompute if full).
-    preemption_mode: str = "recompute"
+from sequence import Sequence, Status
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]]  # lanes and how many new tokens each computes
+    scheduled: list[tuple[Sequence, int]]  # sequences and how many new tokens each computes
     swap_out: list[tuple[int, int]]        # (device block, host block) copies to make first
     swap_in: list[tuple[int, int]]         # (host block, device block)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, swap_space: BlockManager):
+    """Continuous (iteration-level) batching: the batch is rebuilt every step, so a finished sequence's
+    slot and blocks go to a waiting one at once. Static (request-level) batching, for comparison, admits
+    a new batch only once every sequence of the last one has finished. When a running sequence needs a
+    block and none is free, the most recently arrived running sequence is preempted: "recompute" drops
+    its KV, "swap" copies it to host memory (recompute when the swap space is full)."""
+
+    def __init__(self, config: EngineConfig, blocks: BlockManager, swap_space: BlockManager):
         self.config = config
         self.blocks = blocks
         self.swap_space = swap_space
@@ -89,9 +33,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # ... and served from it
+        self.budget = 0          # tokens this step may still compute, reset by schedule()
         # Prefills are cut on a fixed grid: see _cut. A chunked cell fits beside one decode token from
-        # every other lane (unless that leaves less than a block), so the oldest prefill progresses.
-        # Unchunked, a cell is the whole budget: add_request refuses longer prompts, so only a lane
+        # every other sequence (unless that leaves less than a block), so the oldest prefill progresses.
+        # Unchunked, a cell is the whole budget: add_request refuses longer prompts, so only a sequence
         # recomputed after preemption spans several.
         self.prefill_chunk = (max(blocks.block_size, config.max_num_batched_tokens - config.max_num_seqs + 1)
                               if config.enable_chunked_prefill else config.max_num_batched_tokens)
@@ -103,8 +48,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
-        """This step's lanes. Running lanes go first (decodes, then unfinished prefills), then
-        swapped-out lanes come back, and only then are waiting requests admitted in arrival
+        """This step's sequences. Running sequences go first (decodes, then unfinished prefills), then
+        swapped-out sequences come back, and only then are waiting requests admitted in arrival
         order, while the token budget, max_num_seqs and free KV blocks allow."""
         out = SchedulerOutput([], [], [])
         self.budget = self.config.max_num_batched_tokens
@@ -114,7 +59,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.is_prefilling, s.arrival)):
             if self.budget == 0:
                 break
-            if seq.status is Status.RUNNING:  # not preempted meanwhile to make room for an earlier lane
+            if seq.status is Status.RUNNING:  # not preempted meanwhile to make room for an earlier sequence
                 self._reserve(seq, out)
         while self.swapped and self.budget and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -125,8 +70,8 @@ class Scheduler:
             self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
             out.swap_in += zip(seq.swap_table, seq.block_table)
             self.swap_space.free(seq.swap_table)
-            self._run(seq, n, out)
-        # No admissions in a step that had to preempt: the pool is full, and a lane admitted now
+            self._schedule(seq, n, out)
+        # No admissions in a step that had to preempt: the pool is full, and a sequence admitted now
         # would only be preempted again next step.
         while (self.config.scheduling == "continuous" and not self.swapped and self.waiting
                and preemptions == self.num_preemptions
@@ -137,7 +82,7 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Start a waiting lane: share what the prefix cache holds, then compute the first cell of
+        """Start a waiting sequence: share what the prefix cache holds, then compute the first cell of
         the rest. False (and nothing held) if it does not fit."""
         cached = self.blocks.match_prefix(seq.block_table, seq.token_ids)
         n = self._cut(seq, cached)
@@ -149,12 +94,12 @@ class Scheduler:
             self.prefix_hits += cached
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         self.blocks.allocate(seq.block_table, cached + n)
-        self._run(seq, n, out)
+        self._schedule(seq, n, out)
         return True
 
     def _admit_static_batch(self) -> None:
         """Static mode: the next batch is the first max_num_seqs waiting requests whose prompts
-        fit in KV; their prefills then run in chunks like any running lane's."""
+        fit in KV; their prefills then run in chunks like any running sequence's."""
         free = self.blocks.num_free_blocks
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             need = self.blocks.blocks_needed([], self.waiting[0].num_tokens)
@@ -173,7 +118,7 @@ class Scheduler:
         n = min(seq.num_tokens - computed, self.prefill_chunk - computed % self.prefill_chunk)
         return n if n <= self.budget else 0
 
-    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         if seq.status is not Status.RUNNING:
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -181,20 +126,20 @@ class Scheduler:
         self.budget -= n
 
     def _reserve(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Schedule running lane seq, preempting the most recently arrived running lanes not yet
+        """Schedule running sequence seq, preempting the most recently arrived running sequences not yet
         scheduled this step while no block is free for it (possibly seq itself)."""
         n = self._cut(seq, seq.num_computed_tokens)
         if n == 0:
             return
         need = seq.num_computed_tokens + n
         while not self.blocks.can_allocate(seq.block_table, need):
-            taken = {id(s) for s, _ in out.scheduled}  # only when short of blocks: O(lanes) a step otherwise
+            taken = {id(s) for s, _ in out.scheduled}  # only when short of blocks: O(sequences) a step otherwise
             victim = max((s for s in self.running if id(s) not in taken), key=lambda s: s.arrival)
             self.preempt(victim, out)
             if victim is seq:
                 return
         self.blocks.allocate(seq.block_table, need)
-        self._run(seq, n, out)
+        self._schedule(seq, n, out)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -211,11 +156,11 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
-        # Earlier-arrived lanes are preempted later, so they end up in front: arrival order holds.
+        # Earlier-arrived sequences are preempted later, so they end up in front: arrival order holds.
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a lane (finished or aborted): its slot and KV blocks are free at once."""
+        """Retire a sequence (finished or aborted): its slot and KV blocks are free at once."""
         {Status.RUNNING: self.running, Status.WAITING: self.waiting,
          Status.SWAPPED: self.swapped}.get(seq.status, []).remove(seq)
         self.blocks.free(seq.block_table)

@@ -20,12 +20,13 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-import weights
-from engine import Engine, EngineConfig, RequestOutput, SamplingParams, TokenLogprob
+from config import EngineConfig, add_cli_args, from_cli_args
+from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
+from sequence import require
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds, as vLLM's
@@ -69,14 +70,15 @@ class Histogram:
 
 @dataclass
 class Submit:
-    """One HTTP request's lanes (n per prompt), added all together or not at all."""
-    lanes: list[tuple[str, list[int], SamplingParams]]
+    """One HTTP request's sequences (n per prompt), added all together or not at all."""
+    seqs: list[tuple[str, list[int], SamplingParams]]
     replies: queue.Queue  # first None (accepted) or an ApiError, then RequestOutputs
     submitted: float = field(default_factory=time.monotonic)
 
 
 @dataclass
-class Lane:
+class Stream:
+    """Where the engine thread puts one sequence's outputs, and when it last produced one."""
     replies: queue.Queue
     last: float  # when submitted, then when it last produced a token
     started: bool = False
@@ -135,7 +137,7 @@ class Server:
                 t.join(timeout=30)
 
     def submit(self, item: Submit | list[str]) -> None:
-        """Lanes to add, or request ids to abort; any thread."""
+        """Sequences to add, or request ids to abort; any thread."""
         self._inbox.put(item)
 
     def _engine_loop(self) -> None:
@@ -152,7 +154,7 @@ class Server:
             return
         finally:
             self._ready.set()
-        lanes: dict[str, Lane] = {}
+        streams: dict[str, Stream] = {}
         while True:
             # Block on the inbox only when idle; with work pending take what is there and step.
             items = [] if engine.has_unfinished() else [self._inbox.get()]
@@ -162,49 +164,49 @@ class Server:
                 break
             for item in items:
                 if isinstance(item, Submit):
-                    self._add(item, lanes)
+                    self._add(item, streams)
                     continue
                 for rid in item:
                     engine.abort(rid)
-                    lanes.pop(rid, None)
+                    streams.pop(rid, None)
             try:
                 outputs = engine.step() if engine.has_unfinished() else []
             except Exception:  # fail the requests in flight, keep serving
                 traceback.print_exc()
-                for rid, lane in lanes.items():
+                for rid, stream in streams.items():
                     engine.abort(rid)
-                    lane.replies.put(ApiError(500, "the engine failed on this step; see the server log"))
-                lanes.clear()
+                    stream.replies.put(ApiError(500, "the engine failed on this step; see the server log"))
+                streams.clear()
                 outputs = []
             now = time.monotonic()
             for out in outputs:
-                if (lane := lanes.get(out.request_id)) is None:
+                if (stream := streams.get(out.request_id)) is None:
                     continue
-                (self.itl if lane.started else self.ttft).observe(now - lane.last)
-                lane.last, lane.started = now, True
-                lane.replies.put(out)
+                (self.itl if stream.started else self.ttft).observe(now - stream.last)
+                stream.last, stream.started = now, True
+                stream.replies.put(out)
                 if out.finished:
-                    del lanes[out.request_id]
+                    del streams[out.request_id]
             self.stats = engine.stats()
-        for lane in lanes.values():
-            lane.replies.put(ApiError(503, "the server is shutting down"))
+        for stream in streams.values():
+            stream.replies.put(ApiError(503, "the server is shutting down"))
 
-    def _add(self, job: Submit, lanes: dict[str, Lane]) -> None:
+    def _add(self, job: Submit, streams: dict[str, Stream]) -> None:
         waiting = self.engine.stats()["num_waiting"]
-        if waiting + len(job.lanes) > self.max_queue:
+        if waiting + len(job.seqs) > self.max_queue:
             job.replies.put(ApiError(429, f"{waiting} requests are waiting (--max-queue {self.max_queue}); "
                                           "retry later", code="rate_limit_exceeded"))
             return
         added: list[str] = []
         try:
-            for rid, ids, params in job.lanes:
+            for rid, ids, params in job.seqs:
                 added.append(self.engine.add_request(ids, params, rid))
         except Exception as e:  # ValueError: an impossible request (context, empty prompt, pool too small)
             for rid in added:
                 self.engine.abort(rid)
             job.replies.put(ApiError(400 if isinstance(e, ValueError) else 500, str(e)))
             return
-        lanes.update((rid, Lane(job.replies, job.submitted)) for rid in added)
+        streams.update((rid, Stream(job.replies, job.submitted)) for rid in added)
         job.replies.put(None)
 
 
@@ -266,7 +268,7 @@ def _completion_prompts(body: dict, engine: Engine) -> list[list[int]]:
 
 
 def _sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: int) -> SamplingParams:
-    """Lane i of the n for one prompt; a seeded request seeds lane i with seed + i."""
+    """Sequence i of the n for one prompt; a seeded request seeds sequence i with seed + i."""
     max_tokens = _get(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int)
@@ -463,7 +465,7 @@ class Handler(BaseHTTPRequestHandler):
         prompts = [_chat_prompt(body, engine)] if chat else _completion_prompts(body, engine)
         job = Submit([(uuid.uuid4().hex, ids, _sampling_params(body, chat, len(ids), engine, i))
                       for ids in prompts for i in range(n)], queue.Queue())
-        index = {rid: i for i, (rid, _, _) in enumerate(job.lanes)}
+        index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}
         outputs: list[list[RequestOutput]] = [[] for _ in index]
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": self.app.model_names[0],
@@ -520,66 +522,28 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")  # one line, not the usage block
 
 
-def _number(kind: type, low: float, high: float = math.inf, low_open: bool = False):
-    """An argparse type: kind within [low, high] ((low, high] with low_open)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not (low < value if low_open else low <= value) or value > high:
-            raise argparse.ArgumentTypeError(f"{text} is out of range {'(' if low_open else '['}{low}, {high}]")
-        return value
-    return parse
-
-
 def _parser() -> ArgumentParser:
-    d = EngineConfig()
     p = ArgumentParser(prog="serve.py", description="OpenAI-compatible server: POST /v1/chat/completions, "
                        "/v1/completions; GET /v1/models, /health, /metrics (Prometheus).")
     a = p.add_argument
-    a("--model", default=d.model, help=f"preset ({', '.join(weights.PRESETS)}), HF repo id or checkpoint path "
-                                       f"(default {d.model})")
-    a("--model-path", help="checkpoint for --model: a .gguf file, or a Hugging Face or Meta directory")
-    a("--dummy-weights", action="store_true", help="random weights in the preset's shapes (for benchmarking)")
     a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    a("--port", type=_number(int, 0, 65535), default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    a("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     a("--api-key", default=os.environ.get("LANESERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)")
-    a("--max-queue", type=_number(int, 1), default=1024, help="requests waiting beyond this get 429 (default 1024)")
-    a("--max-num-seqs", type=_number(int, 1), default=d.max_num_seqs,
-      help=f"most requests in one batch (default {d.max_num_seqs})")
-    a("--max-num-batched-tokens", type=_number(int, 1), default=d.max_num_batched_tokens,
-      help=f"tokens one step may compute: prefill chunks plus decodes (default {d.max_num_batched_tokens})")
-    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill,
-      help="split long prompts across steps so running requests keep decoding (default on)")
-    a("--gpu-memory-utilization", type=_number(float, 0, 1, low_open=True), default=d.gpu_memory_utilization,
-      help=f"share of GPU memory to use; the KV pool gets what the model leaves (default {d.gpu_memory_utilization})")
-    a("--kv-cache-memory", type=_number(float, 0, low_open=True), default=d.kv_cache_memory,
-      help=f"GiB for the KV pool on CPU (default {d.kv_cache_memory:g})")
-    a("--block-size", type=_number(int, 1), default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
-    a("--num-kv-blocks", type=_number(int, 1), help="exact KV pool size in blocks, overriding the memory knobs")
-    a("--max-model-len", type=_number(int, 1), help="context length, prompt plus output (default: the model's)")
-    a("--preemption-mode", choices=["recompute", "swap"], default=d.preemption_mode,
-      help="when KV runs out: drop a request's KV and recompute it later, or swap it to host memory")
-    a("--swap-space", type=_number(float, 0), default=d.swap_space,
-      help=f"GiB of host memory for swapped-out KV (default {d.swap_space:g})")
-    a("--enable-prefix-caching", action="store_true", help="share the KV of identical prompt prefixes")
-    a("--scheduling", choices=["continuous", "static"], default=d.scheduling,
-      help="continuous (iteration-level) batching, or static (request-level) for comparison")
-    a("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=d.dtype,
-      help="weights and KV dtype (default auto: bfloat16 on CUDA and on CPUs with bf16 units, else float32)")
-    a("--quantization", choices=["int4"], help="CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): faster "
-                                               "for a few streams, slower for many (default: none)")
-    a("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly, without CUDA graphs")
-    a("--device", default=d.device, help="auto, cpu, cuda or cuda:N (default auto: CUDA when available)")
-    a("--seed", type=_number(int, 0), default=d.seed, help=f"seeds requests that bring none (default {d.seed})")
+    a("--max-queue", type=int, default=1024, help="requests waiting beyond this get 429 (default 1024)")
+    add_cli_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    config = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)})
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = from_cli_args(args)
+        require([(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
+                 (args.max_queue >= 1, "--max-queue must be >= 1")])
+    except ValueError as e:
+        parser.error(str(e))
     server = Server(config, args.host, args.port, args.api_key, args.max_queue)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attention_cuda
+import cpu
 from attention_cuda import paged_attention, paged_attention_varlen, store_kv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,11 +63,9 @@ def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_s
 
 
 def reference_decode(query, k_cache, v_cache, block_tables, context_lens, scale):
-    """The reference decode on CPU in float32, one lane at a time to bound memory on long contexts."""
-    q, k, v = query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu()
-    tables, lens = block_tables.cpu(), context_lens.cpu()
-    return torch.cat([paged_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], scale)
-                      for i in range(len(lens))])
+    """The reference decode on CPU in float32."""
+    return paged_attention(query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(), block_tables.cpu(),
+                           context_lens.cpu(), scale)
 
 
 # the reference, on CPU
@@ -92,6 +91,22 @@ def test_reference_decode_matches_naive():
     out = paged_attention(query, k_cache, v_cache, tables, lens, 0.125)
     expected = naive_attention(query, k_cache, v_cache, tables, lens, starts, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads, head_dim, block_size", [((9, 3), 64, 16), ((4, 4), 128, 8), ((8, 1), 64, 32)])
+def test_cpu_decode_matches_reference(heads, head_dim, block_size, dtype):
+    # cpu.py's decode (one padded batch, whole blocks, grouped heads spread wide) against the reference,
+    # twice with the same block tables (the second call reuses the first call's plan, as later layers do).
+    lens = [1, block_size - 1, block_size, block_size + 1, 100, 37]
+    query, k_cache, v_cache, tables, context_lens, _ = make_batch(head_dim + block_size, [(n, 1) for n in lens],
+                                                                  *heads, head_dim, block_size, dtype)
+    decode, scale = cpu.DecodeAttention(), head_dim ** -0.5
+    # In bfloat16 its probabilities are rounded to bfloat16 before the weighted sum (8 bits each).
+    tolerance = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for q, k, v in ((query, k_cache, v_cache), (query.flip(0), v_cache, k_cache)):
+        expected = reference_decode(q, k, v, tables, context_lens, scale)
+        torch.testing.assert_close(decode(q, k, v, tables, context_lens, scale).float(), expected, **tolerance)
 
 
 def test_store_kv_exact_and_skips_padding():

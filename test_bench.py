@@ -1,4 +1,4 @@
-"""bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, --kernel on CPU, --base-url
+"""bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, bench_kernel.py on CPU, --base-url
 against a stub OpenAI server (usage checked, time limit honoured), and bad arguments."""
 import json
 import socket
@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import bench_kernel
 from bench import main
 
 SMALL = ["--dummy-weights", "--num-kv-blocks", "64", "--torch-threads", "1"]
@@ -58,12 +59,13 @@ def test_offline(tmp_path, capsys):
     assert "Offline: 3/3 sequences" in out
 
 
-def test_kernel_mode_on_cpu_times_the_reference(tmp_path, capsys):
-    rc, report, out, err = run(["--kernel", "--device", "cpu", "--kernel-batches", "1", "2",
-                                "--kernel-contexts", "32"], tmp_path, capsys)
-    assert rc == 0, err
-    assert [(r["batch"], r["context"]) for r in report["kernel"]] == [(1, 32), (2, 32)]
-    assert all(r["reference_ms"] > 0 and r["reference_gbps"] > 0 and "kernel_ms" not in r for r in report["kernel"])
+def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_path, capsys):
+    path = tmp_path / "kernel.json"
+    assert bench_kernel.main(["--device", "cpu", "--batches", "1", "2", "--contexts", "32", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (2, 32)]
+    assert all(r["ours_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows)
+    assert "speedup" in capsys.readouterr().out
 
 
 class Stub(BaseHTTPRequestHandler):
@@ -171,6 +173,7 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "0"], "argument --concurrency: 0 must be finite and > 0"),
     (["--offline", "--base-url", "http://x"], "separate modes"),
+    (["--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),
     (["--base-url", "http://x", "--compare-static"], "--compare-static needs the in-process server"),
     (["--max-num-batched-tokens", "4"], "max_num_batched_tokens (4) must be at least one block"),
     (["--min-len", "9", "--max-len", "8"], "--min-len (9) is above --max-len (8)"),

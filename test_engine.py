@@ -1,4 +1,4 @@
-"""The core engine against Hugging Face transformers on the same GGUF, plus the lane rules:
+"""The core engine against Hugging Face transformers on the same GGUF, plus the rules that keep sequences apart:
 independence, the continuous-batching trace, and KV blocks returned after every generation."""
 import os
 
@@ -7,7 +7,8 @@ import torch
 
 import weights
 from engine import LLM, SamplingParams
-from model import linear, quantize_int4
+from cpu import Int4Linear, quantize_int4
+from kv_cache import slots
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -26,13 +27,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = weights.resolve_checkpoint()
-    d, f = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    return tok, model.eval()
+def hf(hf_tokenizer, hf_model):
+    return hf_tokenizer, hf_model
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +76,12 @@ def test_last_position_logits(llm, hf):
         table = []
         llm.block_manager.allocate(table, len(ids))
         try:
-            meta = BatchMeta(torch.tensor(llm.block_manager.slots(table, 0, len(ids))),
+            meta = BatchMeta(torch.tensor(slots(table, llm.config.block_size, 0, len(ids))),
                              torch.tensor([table], dtype=torch.int32),
                              torch.tensor([len(ids)], dtype=torch.int32),
                              torch.tensor([0, len(ids)], dtype=torch.int32),
                              torch.tensor([len(ids) - 1]), len(ids))
-            ours = llm.model(torch.tensor(ids), torch.arange(len(ids)), meta, llm.kv_cache.layers)[0]
+            ours = llm.runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, llm.runner.kv_cache.layers)[0]
         finally:
             llm.block_manager.free(table)
         with torch.no_grad():
@@ -112,7 +108,7 @@ def test_seeded_sampling_independent_of_batch(llm):
     assert llm.generate([prompt], SamplingParams(temperature=0.8, seed=99, max_tokens=24))[0].text != alone.text
 
 
-def test_lane_trace():
+def test_step_trace():
     engine = LLM(num_kv_blocks=16, dtype="float32", device="cpu", trace=True)
     ignore = dict(temperature=0, ignore_eos=True)
     engine.add_request([10, 11, 12, 13], SamplingParams(max_tokens=3, **ignore), "A")
@@ -120,7 +116,7 @@ def test_lane_trace():
     engine.add_request([30, 31], SamplingParams(max_tokens=2, **ignore), "C")
     while engine.has_unfinished():
         engine.step()
-    table = [{lane.request_id: (lane.num_generated, lane.kv_tokens, lane.finished) for lane in step}
+    table = [{seq.request_id: (seq.num_generated, seq.kv_tokens, seq.finished) for seq in step}
              for step in engine.trace]
     assert table == [
         {"A": (1, 5, False), "B": (1, 7, False), "C": (1, 3, False)},
@@ -149,7 +145,7 @@ def test_long_prompt_chunked_while_others_decode(llm):
         if long in outs:
             break
     assert steps_until_long_first_token >= 3
-    assert short_tokens_meanwhile == steps_until_long_first_token  # the short lane never stalled
+    assert short_tokens_meanwhile == steps_until_long_first_token  # the short sequence never stalled
     while llm.has_unfinished():
         llm.step()
 
@@ -180,21 +176,33 @@ def test_int4_gives_back_the_checkpoints_own_q4_blocks():
     _, state = weights.load_weights(weights.resolve_checkpoint(), torch.float32)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
         w = state[name]
-        assert torch.equal(linear(torch.eye(w.shape[1]), quantize_int4(w)).T, w)
+        assert torch.equal(Int4Linear(w)(torch.eye(w.shape[1])).T, w)
     # Any other weight lands within half a step of its group's 16 levels.
     w = torch.randn(64, 96)
     step = (w.view(64, 3, 32).amax(-1) - w.view(64, 3, 32).amin(-1)) / 15
-    err = (linear(torch.eye(96), quantize_int4(w)).T - w).abs().view(64, 3, 32)
+    err = (Int4Linear(w)(torch.eye(96)).T - w).abs().view(64, 3, 32)
     assert (err <= step[..., None] / 2 + 1e-6).all()
     with pytest.raises(ValueError, match="divisible by 32"):
         quantize_int4(torch.randn(8, 48))
 
 
-@pytest.mark.parametrize("quantization, dtype", [(None, "bfloat16"), ("int4", "bfloat16"), ("int4", "float32")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_rows_do_not_depend_on_the_batch(dtype):
+    # The 4-bit kernel computes a row the same way whatever rows run beside it (in float32 the engine's
+    # other parts are covered by test_lanes_independent, and this kernel is slow on CPUs without AVX-512).
+    g = torch.Generator().manual_seed(0)
+    linear = Int4Linear(torch.randn(96, 1536, generator=g).to(dtype))
+    x = torch.randn(40, 1536, generator=g).to(dtype)
+    full = linear(x)
+    for start, stop in [(0, 1), (5, 6), (0, 2), (3, 10), (0, 17), (7, 40), (0, 33)]:
+        assert torch.equal(linear(x[start:stop]), full[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("quantization, dtype", [(None, "bfloat16"), ("int4", "bfloat16")])
 def test_lanes_independent_in_every_cpu_mode(quantization, dtype):
-    # bfloat16 rounds coarsely enough that any difference in how a lane is computed shows in its
+    # bfloat16 rounds coarsely enough that any difference in how a sequence is computed shows in its
     # tokens: a lone row's matmul path, or its prompt cut at other points (a budget of 32 chunks
-    # every prompt, and more lanes take more of each step's budget).
+    # every prompt, and more sequences take more of each step's budget).
     engine = LLM(quantization=quantization, max_num_batched_tokens=32, num_kv_blocks=256, dtype=dtype,
                  device="cpu")
     prompts = [engine.tokenizer.apply_chat_template(c) for c in CHATS]

@@ -28,19 +28,29 @@ def roomy():
     return LLM(num_kv_blocks=512, max_num_batched_tokens=256, dtype="float32", device="cpu")
 
 
+def small(path: str, **knobs) -> LLM:
+    """An engine on SmolLM2's first 4 layers (conftest.smollm2_4_layers), in float32."""
+    return LLM(model_path=path, dtype="float32", device="cpu", **{"max_num_batched_tokens": 256, **knobs})
+
+
 def lengths_params(n: int, seed: int = 1) -> list[SamplingParams]:
     rng = random.Random(seed)
     return [SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True) for _ in range(n)]
 
 
+@pytest.fixture(scope="module")
+def unpressured(smollm2_4_layers):
+    """(prompts, params, outputs) of 32 requests run with room for all: what every pressured run must give."""
+    llm = small(smollm2_4_layers, num_kv_blocks=512)
+    prompts, params = make_prompts(llm, 32), lengths_params(32)
+    return prompts, params, run(llm, prompts, params)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs(roomy, mode):
-    prompts = make_prompts(roomy, 32)
-    params = lengths_params(32)
-    expected = run(roomy, prompts, params)
-    # 12 blocks of 16 tokens: room for only a few lanes at once.
-    tight = LLM(num_kv_blocks=12, max_num_batched_tokens=256, preemption_mode=mode, swap_space=0.01,
-                dtype="float32", device="cpu")
+def test_preemption_keeps_outputs(smollm2_4_layers, unpressured, mode):
+    prompts, params, expected = unpressured
+    # 12 blocks of 16 tokens: room for only a few sequences at once.
+    tight = small(smollm2_4_layers, num_kv_blocks=12, preemption_mode=mode, swap_space=0.01)
     assert run(tight, prompts, params) == expected
     assert tight.stats()["num_preemptions"] > 0
     assert tight.block_manager.num_free_blocks == 12
@@ -49,18 +59,17 @@ def test_preemption_keeps_outputs(roomy, mode):
         assert swap.num_free_blocks == swap.num_blocks
 
 
-def test_unchunked_recompute_of_a_lane_longer_than_the_budget(roomy):
-    # Without chunked prefill a prompt runs whole, but a lane recomputed after preemption holds more
+def test_unchunked_recompute_of_a_sequence_longer_than_the_budget(smollm2_4_layers):
+    # Without chunked prefill a prompt runs whole, but a sequence recomputed after preemption holds more
     # tokens than the budget: it must still come back, in budget-sized pieces. Two 100-token prompts
     # fill the 14 blocks; the second is preempted with 100 + a dozen tokens, over the 104 budget.
     prompts = [list(range(1000, 1100)), list(range(2000, 2100))]
-    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    expected = run(roomy, prompts, params)
-    tight = LLM(num_kv_blocks=14, max_num_batched_tokens=104, enable_chunked_prefill=False,
-                dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = run(small(smollm2_4_layers, num_kv_blocks=512), prompts, params)
+    tight = small(smollm2_4_layers, num_kv_blocks=14, max_num_batched_tokens=104, enable_chunked_prefill=False)
     ids = [tight.add_request(p, params) for p in prompts]
     done = {}
-    for _ in range(1000):  # a lane that can never come back would loop here forever
+    for _ in range(1000):  # a sequence that can never come back would loop here forever
         done.update((o.request_id, o.token_ids) for o in tight.step() if o.finished)
         if not tight.has_unfinished():
             break
@@ -75,23 +84,28 @@ def test_request_that_can_never_fit_is_rejected():
     assert not tiny.has_unfinished()
 
 
+@pytest.fixture(scope="module")
+def shared_prefix(smollm2_4_layers):
+    """(prompts, params, outputs) of 16 requests that start with the same ten blocks, run without the cache."""
+    llm = small(smollm2_4_layers, num_kv_blocks=512)
+    system = llm.tokenizer.encode(" ".join(WORDS * 6))[:160]  # ten full blocks
+    prompts, params = [system + p for p in make_prompts(llm, 16, seed=7)], lengths_params(16, seed=3)
+    return prompts, params, run(llm, prompts, params)
+
+
 @pytest.mark.parametrize("num_kv_blocks", [512, 40])
-def test_prefix_caching(roomy, num_kv_blocks):
-    system = roomy.tokenizer.encode(" ".join(WORDS * 6))[:160]  # ten full blocks
-    prompts = [system + p for p in make_prompts(roomy, 16, seed=7)]
-    params = lengths_params(16, seed=3)
-    expected = run(roomy, prompts, params)
-    cached = LLM(num_kv_blocks=num_kv_blocks, max_num_batched_tokens=256, enable_prefix_caching=True,
-                 dtype="float32", device="cpu")
+def test_prefix_caching(smollm2_4_layers, shared_prefix, num_kv_blocks):
+    prompts, params, expected = shared_prefix
+    cached = small(smollm2_4_layers, num_kv_blocks=num_kv_blocks, enable_prefix_caching=True)
     first = cached.generate(prompts[:1], params[:1])[0]
     rest = cached.generate(prompts[1:], params[1:])
     assert [o.token_ids for o in [first] + rest] == expected
     assert first.num_cached_tokens == 0
     if num_kv_blocks == 512:
-        assert all(o.num_cached_tokens >= len(system) for o in rest)
+        assert all(o.num_cached_tokens >= 160 for o in rest)
     else:  # a pool this small forces preemption while cached blocks are shared
         assert cached.stats()["num_preemptions"] > 0
-        assert sum(o.num_cached_tokens for o in rest) >= len(system)
+        assert sum(o.num_cached_tokens for o in rest) >= 160
     stats = cached.stats()
     assert stats["prefix_cache_hits"] >= sum(o.num_cached_tokens for o in rest)
     bm = cached.block_manager
@@ -108,20 +122,20 @@ def finish_steps(engine, prompts, params) -> list[int]:
     return [finished_at[i] for i in ids]
 
 
-def test_static_vs_continuous_mixed_workload():
-    # Scheduling order, not numerics: bfloat16 keeps these 1,000-odd steps quick.
-    engines = {mode: LLM(num_kv_blocks=512, max_num_batched_tokens=256, scheduling=mode, max_num_seqs=8,
-                         dtype="bfloat16", device="cpu") for mode in ("continuous", "static")}
+def test_static_vs_continuous_mixed_workload(tiny):
+    # Scheduling order, not numerics: a tiny model keeps these 1,000-odd steps quick.
+    engines = {mode: LLM(model=tiny, dummy_weights=True, num_kv_blocks=512, max_num_batched_tokens=256,
+                         scheduling=mode, max_num_seqs=8, device="cpu") for mode in ("continuous", "static")}
     prompts = make_prompts(engines["static"], 16, seed=5)
     params = ([SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 8
               + [SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)] * 8)
-    # Continuous, 8 lanes: every short request is done before any long one.
+    # Continuous, 8 sequences: every short request is done before any long one.
     order = finish_steps(engines["continuous"], prompts[:4] + prompts[8:12] + prompts[4:8] + prompts[12:],
                          params[:4] + params[8:12] + params[4:8] + params[12:])
     short, long = order[:4] + order[8:12], order[4:8] + order[12:]
     assert max(short) < min(long)
     # Static, same arrival order: the first batch mixes 4 short and 4 long requests, and its short
-    # ones come back only with its longest lane; the remaining shorts wait for that whole batch.
+    # ones come back only with its longest sequence; the remaining shorts wait for that whole batch.
     order = finish_steps(engines["static"], prompts[:4] + prompts[8:12] + prompts[4:8] + prompts[12:],
                          params[:4] + params[8:12] + params[4:8] + params[12:])
     first_batch = order[:8]

@@ -1,8 +1,10 @@
 """serve.py through HTTP: the official openai client (sync and async), SSE shape, usage, n, seeds, stop
 strings, logprobs; 64 concurrent streams with disconnects; hostile inputs; continuous batching seen from
 outside; the CLI. One in-process server on loopback serves most tests."""
+import argparse
 import asyncio
 import http.client
+import importlib
 import json
 import os
 import re
@@ -12,13 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import fields
 
 import openai
 import pytest
 import torch
 
 import weights
-from engine import EngineConfig
+from config import EngineConfig, add_cli_args, from_cli_args
 from serve import Server, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +52,7 @@ def client(server):
 
 @pytest.fixture(autouse=True)
 def engine_drained(request):
-    """Every test leaves no lane running and no KV in use (aborts included)."""
+    """Every test leaves no sequence running and no KV in use (aborts included)."""
     yield
     if "server" in request.fixturenames:
         server = request.getfixturevalue("server")
@@ -167,7 +170,7 @@ def test_n_and_seed(client):
     a, b = run(), run()
     texts = [c.text for c in a.choices]
     assert texts == [c.text for c in b.choices]
-    assert texts[0] != texts[1]  # lane i is seeded with seed + i
+    assert texts[0] != texts[1]  # sequence i is seeded with seed + i
     assert a.usage.completion_tokens == 12
 
 
@@ -217,7 +220,7 @@ def test_async_client(server):
 
 
 def test_64_streams_with_disconnects(server):
-    """A quarter of the clients leave after two chunks: their lanes stop early, every other stream
+    """A quarter of the clients leave after two chunks: their sequences stop early, every other stream
     completes, and then nothing is running and no KV is held."""
     async def one(client, i: int):
         stream = await client.completions.create(model="smollm2-135m", prompt=f"Story {i}:", max_tokens=12,
@@ -387,6 +390,25 @@ def test_cli_bad_values_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--enable-prefix-caching" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("prog", ["serve", "bench"])
+def test_every_engine_knob_is_a_flag(prog, capsys):
+    # One source: both command lines are built from EngineConfig's fields, and a flag reaches the config.
+    module = importlib.import_module(prog)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    knobs = [f.name for f in fields(EngineConfig) if "help" in f.metadata]
+    assert e.value.code == 0 and len(knobs) >= 20
+    assert [k for k in knobs if f"--{k.replace('_', '-')}" not in out] == []
+    argv = ["--swap-space", "1.5", "--no-enable-chunked-prefill", "--scheduling", "static", "--torch-threads", "1"]
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    config = from_cli_args(parser.parse_args(argv))
+    assert (config.swap_space, config.enable_chunked_prefill, config.scheduling, config.torch_threads) == \
+        (1.5, False, "static", 1)
+    assert from_cli_args(parser.parse_args([])) == EngineConfig()
 
 
 def test_cli_unknown_model_fails_cleanly():

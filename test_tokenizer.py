@@ -43,9 +43,8 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
+def hf(hf_tokenizer):
+    return hf_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import weights
 from model import ModelConfig
@@ -43,9 +43,8 @@ def default_loaded(default_gguf):
 
 
 @pytest.fixture(scope="module")
-def reference(default_gguf):
-    folder, name = os.path.split(default_gguf)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+def reference(hf_model):
+    return hf_model
 
 
 def tiny_llama(tied: bool, scaled: bool) -> LlamaForCausalLM:
@@ -389,17 +388,18 @@ def test_llama31_preset_is_llama3_with_scaling():
 
 def our_logits(path, ids: list[list[int]]) -> torch.Tensor:
     """Last-position logits of each prompt, run together through our model over a paged cache."""
-    from kv_cache import BlockManager, KVCache
+    from kv_cache import BlockManager, KVCache, KVShape, slots as slots_of
     from model import BatchMeta, Transformer
     config, state = load_weights(str(path))
     model = Transformer(config, 64)
     model.load_hf_state_dict(state)
-    cache, blocks = KVCache(config, 16, 4, torch.float32, "cpu"), BlockManager(16, 4)
+    kv = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    cache, blocks = KVCache(kv, 16, 4, torch.float32, "cpu"), BlockManager(16, 4)
     tables, slots, starts = [], [], [0]
     for x in ids:
         tables.append([])
         blocks.allocate(tables[-1], len(x))
-        slots += blocks.slots(tables[-1], 0, len(x))
+        slots += slots_of(tables[-1], 4, 0, len(x))
         starts.append(starts[-1] + len(x))
     width = max(map(len, tables))
     meta = BatchMeta(torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from config import DEFAULT_MODEL
 from model import ModelConfig, rope_inv_freq
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -38,7 +39,6 @@ PRESETS: dict[str, ModelConfig] = {
         _LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
         rope_scaling=_llama3_scaling(32.0), max_position_embeddings=131072, tie_word_embeddings=True),
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 # Hugging Face repos whose cached snapshots stand in for each preset; the instruct variants, since we serve chat.
 _HF_REPOS: dict[str, tuple[str, ...]] = {

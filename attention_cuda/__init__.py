@@ -1,6 +1,6 @@
-"""Paged attention: the pure-PyTorch reference (CPU path and test oracle) and, on CUDA, our kernel."""
+"""Paged attention: the pure-PyTorch reference (the test oracle; prefill on every device) and our CUDA
+kernel for decode. cpu.py holds a faster CPU decode, tested against the reference."""
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,80 +20,39 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Blocks `blocks` (lane after lane, equally many each) as [num_seqs, tokens, kv_heads, dim].
-    A block is one contiguous row, so this is a row index_select: a memcpy per block, several
-    times faster on CPU than advanced indexing."""
-    return cache.view(cache.shape[0], -1).index_select(0, blocks).view(num_seqs, -1, *cache.shape[2:])
-
-
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """The first max_len cached tokens of each lane, in order: [num_seqs, max_len, kv_heads, dim].
-    Unused block-table entries must point at a real block (0 is fine); the caller masks them."""
-    num_blocks = (max_len + cache.shape[1] - 1) // cache.shape[1]
-    return _gather_blocks(cache, block_tables[:, :num_blocks].flatten(), block_tables.shape[0])[:, :max_len]
-
-
-@dataclass
-class DecodePlan:
-    """The part of decode attention that depends only on the block tables, the same in every layer:
-    made once per step (plan_decode) instead of once per layer."""
-    blocks: torch.Tensor  # [num_seqs * blocks_per_seq] block ids to gather, lane after lane
-    max_len: int          # tokens gathered per lane: whole blocks, so that K stays a plain matrix
-    bias: torch.Tensor    # [num_seqs, 1, max_len] in the cache's dtype: 0 on a lane's tokens, -inf on the padding
-    spread: torch.Tensor  # [1, kv_heads, 1, kv_heads, 1]: the identity, to lay query heads out wide
-
-
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> DecodePlan:
-    # Whole blocks: a length that is not a multiple of the block size would leave the gathered K a
-    # strided slice, which the matmul in paged_attention first copies (measured 3x slower).
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-int(context_lens.max()) // block_size)
-    max_len = num_blocks * block_size
-    pad = torch.arange(max_len, device=k_cache.device) >= context_lens.to(k_cache.device)[:, None]
-    bias = torch.zeros(pad.shape, dtype=k_cache.dtype, device=pad.device).masked_fill_(pad, float("-inf"))[:, None, :]
-    spread = torch.eye(kv_heads, dtype=k_cache.dtype, device=k_cache.device).view(1, kv_heads, 1, kv_heads, 1)
-    return DecodePlan(block_tables[:, :num_blocks].flatten(), max_len, bias, spread)
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """One sequence's first num_tokens cached tokens, in order: [num_tokens, kv_heads, dim]. Token t
+    lives in block block_table[t // block_size], row t % block_size."""
+    t = torch.arange(num_tokens, device=cache.device)
+    return cache[block_table.to(cache.device)[t // cache.shape[1]].long(), t % cache.shape[1]]
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                    plan: DecodePlan | None = None) -> torch.Tensor:
-    """Decode attention, one query token per lane: query [num_seqs, num_heads, head_dim] attends
-    to its lane's first context_lens[i] cached tokens (its own included). Returns query's shape.
-    All lanes run as one padded batch; pad keys are masked out, and since the cache is
-    zero-initialised they cannot leak NaN/inf into the weighted sum. `plan`: plan_decode's
-    result for these block tables, when the caller has it."""
-    seqs, heads, dim = query.shape
-    kv_heads = k_cache.shape[2]
-    group = heads // kv_heads
-    plan = plan or plan_decode(block_tables, context_lens, k_cache)
-    k = _gather_blocks(k_cache, plan.blocks, seqs).flatten(2)  # [seqs, max_len, kv_heads * dim]
-    v = _gather_blocks(v_cache, plan.blocks, seqs).flatten(2)
-    # Grouped-query attention without copying K/V per head or per group: each query head is laid out
-    # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
-    # identity, exact), so one batched matmul with the lane's keys as they were gathered gives every
-    # head its scores. It spends kv_heads x the (small) attention FLOPs to save the transposing
-    # copies of K and V that dominate on CPU.
-    q = (query.view(seqs, kv_heads, group, 1, dim) * plan.spread).view(seqs, heads, kv_heads * dim)
-    # Scale and pad mask ride in the matmul, and softmax runs in the cache's dtype (it widens to
-    # float32 inside): two passes over the scores fewer than a float32 add, softmax and narrowing,
-    # and the same bits where the scale is a power of two (head_dim 64), else within a rounding.
-    probs = torch.baddbmm(plan.bias, q, k.transpose(1, 2), alpha=scale).softmax(-1)
-    # The same trick backwards: head h's output is the slice of its row that belongs to its KV head.
-    out = torch.bmm(probs, v).view(seqs, kv_heads, group, kv_heads, dim).diagonal(dim1=1, dim2=3)
-    return out.permute(0, 3, 1, 2).reshape(seqs, heads, dim)
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to
+    its sequence's first context_lens[i] cached tokens (its own included), and to nothing else. Query
+    head h reads KV head h // (num_heads / num_kv_heads) (grouped-query attention). Computed sequence by
+    sequence in float32 (float64 stays float64); returns query's shape and dtype (zeros for context 0)."""
+    group = query.shape[1] // k_cache.shape[2]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    out = torch.empty_like(query)
+    for i, n in enumerate(context_lens.tolist()):
+        k = gather_kv(k_cache, block_tables[i], n).to(acc).repeat_interleave(group, dim=1)  # [n, heads, dim]
+        v = gather_kv(v_cache, block_tables[i], n).to(acc).repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[i].to(acc), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(query.dtype)
+    return out
 
 
 def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float,
                            decode: Callable = paged_attention) -> torch.Tensor:
-    """Causal attention for a flattened batch of lanes. Lane i owns query rows
+    """Causal attention for a flattened batch of sequences. Sequence i owns query rows
     query_start_loc[i]:query_start_loc[i+1] ([total_tokens, num_heads, head_dim]); they are the
     last q_len of its context_lens[i] tokens, so row j sits at position context_len - q_len + j
-    and sees keys 0..that position, through the lane's block table and nothing else.
-    One-token lanes go to `decode` together (the CUDA kernel on GPU), longer ones to SDPA."""
+    and sees keys 0..that position, through the sequence's block table and nothing else.
+    One-token sequences go to `decode` together (the CUDA kernel on GPU), longer ones to SDPA."""
     starts = query_start_loc.tolist()
     ctx = context_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -107,8 +66,8 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if n == 1:
             continue
         s = starts[i]
-        k = gather_kv(k_cache, block_tables[i:i + 1], ctx[i]).transpose(1, 2)  # [1, kv_heads, ctx, dim]
-        v = gather_kv(v_cache, block_tables[i:i + 1], ctx[i]).transpose(1, 2)
+        k = gather_kv(k_cache, block_tables[i], ctx[i]).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
+        v = gather_kv(v_cache, block_tables[i], ctx[i]).transpose(0, 1)[None]
         q = query[s:s + n].unsqueeze(0).transpose(1, 2)
         if n == ctx[i]:  # a whole prompt in one chunk: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

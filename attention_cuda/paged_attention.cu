@@ -1,15 +1,15 @@
 // Decode attention over the paged KV cache, and the store of new K/V into it. Pure CUDA, no torch:
 // binding.cpp checks arguments and calls the launchers at the bottom (declared in paged_attention.h).
 //
-// Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. A lane's
-// token t lives in physical block block_tables[lane][t / block_size] at offset t % block_size.
+// Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. A sequence's
+// token t lives in physical block block_tables[seq][t / block_size] at offset t % block_size.
 //
-// Thread mapping of the attention kernel (one thread block of 4 warps per (kv-head group, lane,
+// Thread mapping of the attention kernel (one thread block of 4 warps per (kv-head group, sequence,
 // split)):
 //   blockIdx.x  one KV head and up to GMAX of the query heads that share it (GQA), so each K/V
 //               byte is read from HBM once for its whole group;
-//   blockIdx.y  the lane (one query token);
-//   blockIdx.z  the split: a lane's context is cut into num_splits contiguous ranges of at least
+//   blockIdx.y  the sequence (one query token);
+//   blockIdx.z  the split: a sequence's context is cut into num_splits contiguous ranges of at least
 //               PARTITION tokens, each done by its own thread block, then combined by reduce_kernel.
 //   Inside a block, each token row of one KV head (head_dim * sizeof(T) bytes) is read by LPT
 //   lanes, 16 bytes each (VEC elements); a warp thus covers TPW = 32 / LPT tokens per step
@@ -31,14 +31,14 @@ constexpr int MAX_SPLITS = 64;  // bounds the fp32 scratch: num_seqs * num_heads
 constexpr int UNROLL = 2;       // steps whose K/V loads are issued together, to keep loads in flight
 constexpr float LOG2E = 1.4426950408889634f;
 
-// Tokens per split for a lane of ctx tokens; both kernels must agree on it.
+// Tokens per split for a sequence of ctx tokens; both kernels must agree on it.
 __device__ __forceinline__ int split_len(int ctx, int num_splits) {
   return max(PARTITION, (ctx + num_splits - 1) / num_splits);
 }
 
-// Tokens the lane really has: its context length, clamped to what its block-table row can address
+// Tokens the sequence really has: its context length, clamped to what its block-table row can address
 // (a wrong length then gives wrong numbers rather than an illegal address).
-__device__ __forceinline__ int lane_len(const PagedAttentionParams& p, int seq) {
+__device__ __forceinline__ int seq_len(const PagedAttentionParams& p, int seq) {
   return min(max(p.context_lens[seq], 0), p.max_blocks * p.block_size);
 }
 
@@ -84,12 +84,12 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
   const int head0 = kv_head * group + g0;
   const int nh = min(GMAX, group - g0);           // heads of this block, block-uniform
   const int seq = blockIdx.y, split = blockIdx.z, num_splits = p.num_splits;
-  const int ctx = lane_len(p, seq);
+  const int ctx = seq_len(p, seq);
   const int start = split * split_len(ctx, num_splits);
   const int end = min(start + split_len(ctx, num_splits), ctx);
   T* out_row = static_cast<T*>(p.out) + ((int64_t)seq * p.num_heads + head0) * HEAD_DIM;
 
-  if (start >= end) {  // a split past the lane's end; with one split, an empty lane gets zeros
+  if (start >= end) {  // a split past the sequence's end; with one split, an empty one gets zeros
     if (num_splits == 1)
       for (int i = threadIdx.x; i < nh * HEAD_DIM; i += NUM_THREADS) out_row[i] = from_float<T>(0.f);
     return;
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
   }
 
   // Merge the NPART states of the block, then write the normalised result: straight to `out` when
-  // the lane has one split, else to the scratch for reduce_kernel, with the split's max and sum.
+  // the sequence has one split, else to the scratch for reduce_kernel, with the split's max and sum.
   __shared__ float red_acc[NPART][GMAX][HEAD_DIM];
   __shared__ float red_m[NPART][GMAX], red_l[NPART][GMAX];
   const int part = warp * TPW + sub;
@@ -212,11 +212,11 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
   }
 }
 
-// One block per (head, lane), one thread per dim: merge the lane's active splits.
+// One block per (head, sequence), one thread per dim: merge the sequence's active splits.
 template <typename T>
 __global__ void reduce_kernel(const PagedAttentionParams p) {
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, head_dim = blockDim.x;
-  const int ctx = lane_len(p, seq), n = (ctx + split_len(ctx, p.num_splits) - 1) / split_len(ctx, p.num_splits);
+  const int ctx = seq_len(p, seq), n = (ctx + split_len(ctx, p.num_splits) - 1) / split_len(ctx, p.num_splits);
   const int64_t r0 = ((int64_t)seq * p.num_heads + head) * p.num_splits;
   const float* ml = p.tmp_ml + 2 * r0;
   float M = -INFINITY, L = 0.f, o = 0.f;

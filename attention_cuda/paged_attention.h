@@ -5,7 +5,7 @@
 typedef struct CUstream_st* cudaStream_t;  // as cuda_runtime_api.h declares it; no CUDA headers needed
 
 // Decode attention: query [num_seqs, num_heads, head_dim] (dim contiguous, strides in elements,
-// multiples of 16 bytes) attends to the first context_lens[i] tokens of its lane in the caches
+// multiples of 16 bytes) attends to the first context_lens[i] tokens of its sequence in the caches
 // [num_blocks, block_size, num_kv_heads, head_dim] (contiguous, 16-byte aligned) through
 // block_tables [num_seqs, max_blocks] (int32); out is contiguous like query. With num_splits > 1
 // (see laneserve_attention_splits), tmp_out [num_seqs, num_heads, num_splits, head_dim] and tmp_ml

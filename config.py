@@ -1,0 +1,88 @@
+"""The engine's knobs, declared once: EngineConfig's fields are the Python API, and serve.py and bench.py
+build their command lines from them (help text included), so a new knob appears everywhere at once."""
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+from sequence import require
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def knob(default, help: str, **cli):
+    """A field with its command-line help; cli may add `type` (for a None default) and `choices`."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class EngineConfig:
+    model: str = knob(DEFAULT_MODEL, "preset (see weights.PRESETS), HF repo id or checkpoint path")
+    model_path: str | None = knob(None, "checkpoint for --model: a .gguf file, or a Hugging Face or Meta directory",
+                                  type=str)
+    dummy_weights: bool = knob(False, "random weights in the preset's shapes (for benchmarking)")
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N (auto: CUDA when available)")
+    dtype: str = knob("auto", "weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with bf16 units, "
+                              "else float32)", choices=["auto", "float32", "float16", "bfloat16"])
+    quantization: str | None = knob(None, "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): faster for a few "
+                                          "streams, slower for many", type=str, choices=["int4"])
+    seed: int = knob(0, "seeds the requests that bring none")
+    max_model_len: int | None = knob(None, "context length, prompt plus output (default: the model's)", type=int)
+    max_num_seqs: int = knob(64, "most sequences in one batch")
+    max_num_batched_tokens: int = knob(512, "tokens one step may compute: prefill chunks plus decodes")
+    enable_chunked_prefill: bool = knob(True, "split long prompts across steps so running sequences keep decoding")
+    scheduling: str = knob("continuous", "continuous (iteration-level) batching, or static (request-level) for "
+                                         "comparison", choices=["continuous", "static"])
+    preemption_mode: str = knob("recompute", "when KV runs out, the newest sequence drops its KV to recompute it "
+                                             "later, or swaps it to host memory", choices=["recompute", "swap"])
+    swap_space: float = knob(4.0, "GiB of host memory for swapped-out KV")
+    enable_prefix_caching: bool = knob(False, "share the KV of identical prompt prefixes")
+    block_size: int = knob(16, "tokens per KV block")
+    num_kv_blocks: int | None = knob(None, "exact KV pool size in blocks, overriding the memory knobs", type=int)
+    kv_cache_memory: float = knob(2.0, "GiB of KV pool on CPU")
+    gpu_memory_utilization: float = knob(0.9, "share of GPU memory to use; the KV pool gets what the model leaves")
+    enforce_eager: bool = knob(False, "CUDA: run decode steps eagerly, without CUDA graphs")
+    torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's, one per core)", type=int)
+    trace: bool = False  # keep a per-step trace of the scheduled sequences (tests, teaching); not a flag
+
+    def __post_init__(self):
+        """Refuse impossible settings at once, with a message naming the knob."""
+        require([
+            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= self.block_size,
+             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least one block "
+             f"({self.block_size} tokens)"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
+            (self.kv_cache_memory > 0, "kv_cache_memory must be > 0"),
+            (self.swap_space >= 0, "swap_space must be >= 0"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"unknown device {self.device!r}"),
+            (self.seed >= 0, "seed must be >= 0"),
+            (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+            *((getattr(self, f.name) in (None, *f.metadata["choices"]), f"{f.name} must be one of "
+               f"{', '.join(f.metadata['choices'])}, got {getattr(self, f.name)!r}")
+              for f in fields(self) if "choices" in f.metadata)])
+
+
+def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
+    """One flag per knob, vLLM-style: max_num_seqs becomes --max-num-seqs, a boolean gets --x and --no-x."""
+    group = parser.add_argument_group(title)
+    for f in fields(EngineConfig):
+        if "help" not in f.metadata:
+            continue
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        assert default is not MISSING
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            continue
+        group.add_argument(flag, type=f.metadata.get("type", type(default)), default=default,
+                           choices=f.metadata.get("choices"),
+                           help=f.metadata["help"] + ("" if default is None else f" (default {default})"))
+
+
+def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The config a command line asked for (None: the field's default); ValueError names a bad knob."""
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
+    return EngineConfig(**{**given, **overrides})

@@ -1,0 +1,77 @@
+"""Shared by every test file. The engines the tests build all read the same checkpoint: each (file,
+dtype) is read and its tokenizer built once per run, and every engine then gets a fresh dict of the
+same tensors (an engine never writes into them). The loaders themselves are tested on fresh files of
+their own in test_weights.py and test_tokenizer.py."""
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+import engine
+import weights
+from model import ModelConfig
+
+
+@pytest.fixture(scope="session", autouse=True)
+def read_each_checkpoint_once():
+    load = functools.cache(weights.load_weights)
+
+    def load_weights(path: str, dtype: torch.dtype = torch.float32):
+        config, state = load(path, dtype)
+        return config, dict(state)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weights, "load_weights", load_weights)
+        patch.setattr(engine, "load_tokenizer", functools.cache(engine.load_tokenizer))
+        yield
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    """transformers' tokenizer of the default GGUF: the reference implementation."""
+    from transformers import AutoTokenizer
+    d, f = os.path.split(weights.resolve_checkpoint())
+    return AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' model on the default GGUF, in float32: the reference implementation."""
+    from transformers import AutoModelForCausalLM
+    d, f = os.path.split(weights.resolve_checkpoint())
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def tiny():
+    """The name of a two-layer model with SmolLM2's vocabulary, for LLM(model=tiny, dummy_weights=True): random
+    weights, for tests of scheduling rather than numerics, in milliseconds a step."""
+    config = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(weights.PRESETS, "tiny", config)
+        yield "tiny"
+
+
+@pytest.fixture(scope="session")
+def smollm2_4_layers(hf_tokenizer, tmp_path_factory) -> str:
+    """A Hugging Face directory holding SmolLM2 cut to its first 4 of 30 layers (embeddings, final norm and
+    LM head kept): a real model's numerics at a seventh of the cost, for tests of the scheduler's paths
+    (preemption, prefix caching) rather than of the model."""
+    from safetensors.torch import save_file
+    path = tmp_path_factory.mktemp("smollm2-4-layers")
+    config, state = weights.load_weights(weights.resolve_checkpoint())
+    save_file({k: v.contiguous() for k, v in state.items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4}, path / "model.safetensors")
+    c = config
+    with open(path / "config.json", "w") as f:
+        json.dump({"model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+                   "intermediate_size": c.intermediate_size, "num_hidden_layers": 4,
+                   "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                   "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+                   "max_position_embeddings": c.max_position_embeddings,
+                   "tie_word_embeddings": c.tie_word_embeddings}, f)
+    hf_tokenizer.save_pretrained(path)
+    return str(path)

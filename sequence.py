@@ -1,0 +1,87 @@
+"""A sequence: one stream of tokens the engine runs (the seed's lane), with its sampling parameters and state."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+def require(checks: list[tuple[bool, str]]) -> None:
+    """Raise ValueError with the message of the first check that fails."""
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0            # 0 = off
+    min_p: float = 0.0
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # ... and this times how often it was generated
+    logprobs: int | None = None     # None: off; k: the chosen token's logprob and the top k
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        require([(self.temperature >= 0, "temperature must be >= 0"),
+                 (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+                 (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
+                 (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+                 (self.max_tokens >= 1, "max_tokens must be >= 1"),
+                 (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+                 (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+                 (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")])
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """token_ids holds prompt then generated tokens; the first num_computed_tokens of them have their
+    K/V in the cache (blocks in block_table)."""
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    generator: Any = None    # the sequence's own torch.Generator, so its samples ignore its neighbours
+    detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_prefilling(self) -> bool:
+        # A decoding sequence has exactly one uncached token: the one it sampled last step.
+        return self.num_tokens - self.num_computed_tokens > 1
