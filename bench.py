@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+import bench_plot
 from config import DEFAULT_MODEL, EngineConfig, add_cli_args, from_cli_args
 from engine import LLM, SamplingParams
 from serve import Server
@@ -47,7 +48,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: ...)" only where there is one worth reading
-        return action.help if action.default in (None, False) else super()._get_help_string(action)
+        shown = action.default in (None, False) or "(default" in action.help  # the engine's flags say it already
+        return action.help if shown else super()._get_help_string(action)
 
 
 def _number(kind: type, zero_ok: bool = False):
@@ -534,37 +536,6 @@ def print_report(report: dict, args) -> None:
               f"{o['output_throughput']:.2f} output tok/s")
 
 
-def plot(report: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (curve, timeline) = plt.subplots(1, 2, figsize=(14, 5))
-    row = 0
-    for label, run in report.get("runs", {}).items():
-        for key, style in (("p95_itl_ms", "-o"), ("p95_ttft_ms", "--s")):
-            pts = [(lv["metrics"]["output_throughput"], lv["metrics"][key], lv["concurrency"]) for lv in run["sweep"]
-                   if lv["metrics"][key] is not None]
-            if pts:
-                curve.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{label} {key[4:-3].upper()}")
-                for x, y, c in pts:
-                    curve.annotate(f"c={c}", (x, y), fontsize=8)
-        for r in (run.get("mixed") or {}).get("requests", []):
-            end = r["end"] if r["end"] is not None else run["mixed"]["duration_s"]
-            timeline.hlines(row, r["start"], end, colors="tab:blue" if r["group"] == "short" else "tab:red")
-            if r["ttft"] is not None:
-                timeline.plot(r["start"] + r["ttft"], row, "k|")
-            row += 1
-        if run.get("mixed"):
-            timeline.text(0, row, f"{label} (red: long, blue: short, |: first token)", fontsize=8)
-            row += 2
-    curve.set(xlabel="Output token throughput (tok/s)", ylabel="P95 latency (ms)", yscale="log",
-              title="Throughput vs p95 latency per concurrency level")
-    curve.legend()
-    timeline.set(xlabel="seconds", ylabel="request", title="Mixed probe timeline")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def versions() -> dict:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
@@ -599,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     if args.plot and report["runs"] and importlib.util.find_spec("matplotlib") is not None:
-        plot(report, args.plot)
+        bench_plot.plot(report, args.plot)
     phases = [(f"{label} c={lv['concurrency']}", lv["metrics"]) for label, run in report["runs"].items()
               for lv in run["sweep"]]
     phases += [(f"{label} mixed {g}", run["mixed"][g]) for label, run in report["runs"].items() if run["mixed"]

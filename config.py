@@ -19,9 +19,9 @@ class EngineConfig:
     model_path: str | None = knob(None, "checkpoint for --model: a .gguf file, or a Hugging Face or Meta directory",
                                   type=str)
     dummy_weights: bool = knob(False, "random weights in the preset's shapes (for benchmarking)")
-    device: str = knob("auto", "auto, cpu, cuda or cuda:N (auto: CUDA when available)")
-    dtype: str = knob("auto", "weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with bf16 units, "
-                              "else float32)", choices=["auto", "float32", "float16", "bfloat16"])
+    device: str = knob("auto", "cpu, cuda or cuda:N; auto: CUDA when available")
+    dtype: str = knob("auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units, "
+                              "else float32", choices=["auto", "float32", "float16", "bfloat16"])
     quantization: str | None = knob(None, "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): faster for a few "
                                           "streams, slower for many", type=str, choices=["int4"])
     seed: int = knob(0, "seeds the requests that bring none")
@@ -75,7 +75,8 @@ def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None
         flag, default = "--" + f.name.replace("_", "-"), f.default
         assert default is not MISSING
         if isinstance(default, bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=f.metadata["help"] + (" (default on)" if default else ""))
             continue
         group.add_argument(flag, type=f.metadata.get("type", type(default)), default=default,
                            choices=f.metadata.get("choices"),

@@ -403,9 +403,9 @@ class Handler(BaseHTTPRequestHandler):
         app, s, lines = self.app, self.app.stats, []
         label = f'model_name="{app.model_names[0] if app.model_names else app.config.model}"'
         for name, kind, key, text in [
-                ("num_requests_running", "gauge", "num_running", "Requests in the running batch."),
-                ("num_requests_waiting", "gauge", "num_waiting", "Requests waiting to be scheduled."),
-                ("num_requests_swapped", "gauge", "num_swapped", "Requests swapped out to host memory."),
+                ("num_requests_running", "gauge", "num_running", "Sequences in the running batch (vLLM's name)."),
+                ("num_requests_waiting", "gauge", "num_waiting", "Sequences waiting to be scheduled."),
+                ("num_requests_swapped", "gauge", "num_swapped", "Sequences swapped out to host memory."),
                 ("kv_cache_usage_perc", "gauge", "kv_usage", "Fraction of KV blocks in use (1 = full)."),
                 ("num_preemptions_total", "counter", "num_preemptions", "Preemptions since start."),
                 ("prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens computed."),
