@@ -15,6 +15,7 @@ from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status
 from tokenizer import IncrementalDetokenizer, load_tokenizer
 
+
 @dataclass
 class RequestOutput:
     request_id: str
