@@ -8,7 +8,7 @@ import torch
 import weights
 from engine import LLM, SamplingParams
 from cpu import Int4Linear, quantize_int4
-from kv_cache import slots
+from sequence import Sequence
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -70,20 +70,16 @@ def test_greedy_parity_batched_with_chunked_prefill(llm, hf):
 
 
 def test_last_position_logits(llm, hf):
-    from model import BatchMeta
+    # One whole prompt through the runner's own batch building and our model, against transformers.
     for chat in CHATS[:3]:
-        ids = llm.tokenizer.apply_chat_template(chat)
-        table = []
-        llm.block_manager.allocate(table, len(ids))
+        seq = Sequence("logits", llm.tokenizer.apply_chat_template(chat), SamplingParams())
+        ids = seq.token_ids
+        llm.block_manager.allocate(seq.block_table, len(ids))
         try:
-            meta = BatchMeta(torch.tensor(slots(table, llm.config.block_size, 0, len(ids))),
-                             torch.tensor([table], dtype=torch.int32),
-                             torch.tensor([len(ids)], dtype=torch.int32),
-                             torch.tensor([0, len(ids)], dtype=torch.int32),
-                             torch.tensor([len(ids) - 1]), len(ids))
-            ours = llm.runner.model(torch.tensor(ids), torch.arange(len(ids)), meta, llm.runner.kv_cache.layers)[0]
+            tokens, positions, meta, _ = llm.runner.prepare([(seq, len(ids))])
+            ours = llm.runner.model(tokens, positions, meta, llm.runner.kv_cache.layers)[0]
         finally:
-            llm.block_manager.free(table)
+            llm.block_manager.free(seq.block_table)
         with torch.no_grad():
             ref = hf[1](torch.tensor([ids])).logits[0, -1]
         assert (ours - ref).abs().max().item() < 1e-3
