@@ -1,11 +1,13 @@
 """Shared by every test file. The engines the tests build all read the same checkpoint: each (file,
 dtype) is read and its tokenizer built once per run, and every engine then gets a fresh dict of the
-same tensors (an engine never writes into them). The loaders themselves are tested on fresh files of
-their own in test_weights.py and test_tokenizer.py."""
+same tensors (an engine never writes into them). A GGUF file's header is parsed once per run, for us
+and for transformers alike. The loaders themselves are tested on fresh files of their own in
+test_weights.py and test_tokenizer.py."""
 import functools
 import json
 import os
 
+import gguf
 import pytest
 import torch
 
@@ -22,8 +24,16 @@ def read_each_checkpoint_once():
         config, state = load(path, dtype)
         return config, dict(state)
 
+    parse = functools.cache(lambda path, mtime_ns, reader=gguf.GGUFReader: reader(path))
+
+    def read_gguf(path: str) -> gguf.GGUFReader:
+        return parse(os.fspath(path), os.stat(path).st_mtime_ns)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(weights, "load_weights", load_weights)
+        patch.setattr(gguf, "GGUFReader", read_gguf)
+        # transformers builds this name table once per tensor (a tenth of a second each).
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         patch.setattr(engine, "load_tokenizer", functools.cache(engine.load_tokenizer))
         yield
 

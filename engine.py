@@ -50,6 +50,7 @@ class Engine:
         self.checkpoint_path = r.checkpoint_path
         # Random weights borrow the default model's tokenizer: ids past its vocabulary decode to nothing.
         self.tokenizer = load_tokenizer(r.checkpoint_path or weights.resolve_checkpoint())
+        weights.read_gguf.cache_clear()
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}

@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
@@ -144,13 +143,9 @@ def test_kernel_compiles_for_sm80_and_sm90(tmp_path):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_binding_compiles_against_torch_headers():
     from torch.utils.cpp_extension import include_paths
-    python_include = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(python_include, "Python.h")):
-        pytest.skip(f"no Python.h in {python_include}")
-    includes = [a for p in include_paths() + [python_include] for a in ("-isystem", p)]
-    _run([os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=laneserve_attention",
-          "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-          *includes, "attention_cuda/binding.cpp"])
+    includes = [a for p in include_paths() for a in ("-isystem", p)]
+    _run([os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only",
+          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", *includes, "attention_cuda/binding.cpp"])
 
 
 # the kernel against the reference (GPU)

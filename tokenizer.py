@@ -7,12 +7,13 @@ import re
 from datetime import datetime
 from functools import cached_property
 
-import gguf
 import jinja2
 import numpy as np
 import regex
 import tiktoken
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from weights import read_gguf
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # GPT-2's pattern after HF's Digits(individual_digits=True) has cut the text at every digit: a digit
@@ -185,7 +186,7 @@ def _merge_ranks(vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]]) -> 
 
 
 def _from_gguf(path: str) -> Tokenizer:
-    fields = gguf.GGUFReader(path).fields
+    fields = read_gguf(path).fields
 
     def get(key: str, default=None):
         return fields[key].contents() if key in fields else default

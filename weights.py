@@ -1,5 +1,6 @@
 """Checkpoints: where each model is looked for, and GGUF / HF safetensors / Meta files loaded into one Llama naming."""
 import dataclasses
+import functools
 import glob
 import importlib.util
 import json
@@ -169,9 +170,16 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelCo
     return config, state
 
 
+@functools.lru_cache(maxsize=1)
+def read_gguf(path: str) -> gguf.GGUFReader:
+    """A GGUF file's parsed header, kept for the next reader of the same file: the weights and the tokenizer
+    both read it, and parsing the vocabulary arrays takes seconds. The engine drops it once both are loaded."""
+    return gguf.GGUFReader(path)
+
+
 def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    reader = gguf.GGUFReader(path)
-    # Skip tokenizer.* fields: decoding the vocabulary arrays is slow and tokenizer.py reads them itself.
+    reader = read_gguf(path)
+    # tokenizer.* fields are tokenizer.py's.
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("llama.", "general.architecture"))}
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r}, only 'llama' is supported")

@@ -1,5 +1,6 @@
 """Paged attention: the pure-PyTorch reference (the test oracle; prefill on every device) and our CUDA
 kernel for decode. cpu.py holds a faster CPU decode, tested against the reference."""
+import glob
 import os
 from typing import Callable
 
@@ -86,27 +87,29 @@ _ext = None
 
 
 def _kernels():
-    """The compiled kernels: the module setup.py built ahead of time if there is one, else built on
-    first use with ninja into torch's extension cache (TORCH_EXTENSIONS_DIR, default
+    """The compiled kernels, as torch.ops.laneserve: the library setup.py built ahead of time if there is
+    one, else built on first use with ninja into torch's extension cache (TORCH_EXTENSIONS_DIR, default
     ~/.cache/torch_extensions) for the GPUs present (or TORCH_CUDA_ARCH_LIST); later runs reuse it
     until the sources or flags change."""
     global _ext
     if _ext is None:
+        here = os.path.dirname(os.path.abspath(__file__))
         try:
-            from . import _C as _ext
-        except ImportError:
-            from torch.utils.cpp_extension import load
-            here = os.path.dirname(os.path.abspath(__file__))
-            try:
-                _ext = load("laneserve_attention", [os.path.join(here, s) for s in _SOURCES],
-                            extra_cflags=_CXX_FLAGS, extra_cuda_cflags=_NVCC_FLAGS)
-            except Exception as e:
-                _ext = RuntimeError(  # kept, so that later calls fail at once with the same message
-                    f"could not build the CUDA paged-attention kernel ({type(e).__name__}: {e}). Building "
-                    "needs a CUDA build of torch, the CUDA toolkit (nvcc; CUDA_HOME if not on PATH) of a "
-                    "matching version, a C++ compiler and ninja. The pure-PyTorch path needs none of "
-                    "that and still works: attention_cuda.paged_attention/store_kv, and running on CPU.")
-                _ext.__cause__ = e
+            built = glob.glob(os.path.join(here, "_C*.so"))
+            if built:
+                torch.ops.load_library(built[0])
+            else:
+                from torch.utils.cpp_extension import load
+                load("laneserve_attention", [os.path.join(here, s) for s in _SOURCES], extra_cflags=_CXX_FLAGS,
+                     extra_cuda_cflags=_NVCC_FLAGS, is_python_module=False)
+            _ext = torch.ops.laneserve
+        except Exception as e:
+            _ext = RuntimeError(  # kept, so that later calls fail at once with the same message
+                f"could not build the CUDA paged-attention kernel ({type(e).__name__}: {e}). Building "
+                "needs a CUDA build of torch, the CUDA toolkit (nvcc; CUDA_HOME if not on PATH) of a "
+                "matching version, a C++ compiler and ninja. The pure-PyTorch path needs none of "
+                "that and still works: attention_cuda.paged_attention/store_kv, and running on CPU.")
+            _ext.__cause__ = e
     if isinstance(_ext, Exception):
         raise _ext
     return _ext
@@ -131,7 +134,7 @@ def cuda_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def cuda_extension():
     """For setup.py: the kernels as a CUDAExtension `attention_cuda._C` (paths relative to the
-    repository root), which _kernels() then imports instead of building; None without nvcc."""
+    repository root), which _kernels() then loads instead of building; None without nvcc."""
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
     if CUDA_HOME is None:
         return None

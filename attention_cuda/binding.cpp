@@ -1,30 +1,33 @@
-// Torch binding for paged_attention.cu: checks arguments (raising Python errors), allocates the
-// output and scratch, and calls the plain launchers on the CUDA stream handed over from Python.
-#include <torch/extension.h>
+// Torch binding for paged_attention.cu, registered as the operators torch.ops.laneserve.*: checks
+// arguments (raising Python errors), allocates the output and scratch, and calls the plain launchers
+// on the CUDA stream handed over from Python. Only ATen's core headers: no pybind11, quick to compile.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include "paged_attention.h"
 
 namespace {
 
-int dtype_code(const torch::Tensor& t) {
+int dtype_code(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: return 0;
-    case torch::kFloat16: return 1;
-    case torch::kBFloat16: return 2;
+    case at::kFloat: return 0;
+    case at::kHalf: return 1;
+    case at::kBFloat16: return 2;
     default: TORCH_CHECK(false, "paged attention: unsupported dtype ", t.scalar_type(),
                          " (float32, float16 or bfloat16)");
   }
   return -1;
 }
 
-void check_on(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+void check_on(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
   TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), " but the others on ", like.device());
 }
 
-bool aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& like) {
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like) {
   check_on(k_cache, "k_cache", like);
   check_on(v_cache, "v_cache", like);
   TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
@@ -39,8 +42,8 @@ void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, con
 
 void check(const char* err) { TORCH_CHECK(err == nullptr, "CUDA kernel launch failed: ", err ? err : ""); }
 
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor block_tables, at::Tensor context_lens, double scale,
                               int64_t stream) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got one on ", query.device());
   const int dtype = dtype_code(query);
@@ -60,29 +63,29 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   const int64_t vec = 16 / query.element_size();
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) % vec == 0 && query.stride(0) % vec == 0 && aligned16(query),
               "query rows must be contiguous and 16-byte aligned (use .contiguous())");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 &&
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
                   block_tables.size(0) == num_seqs && block_tables.size(1) > 0 && block_tables.is_contiguous(),
               "block_tables must be contiguous int32 [num_seqs, max_blocks], got ", block_tables.scalar_type(), " ",
               block_tables.sizes());
-  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.dim() == 1 &&
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
                   context_lens.size(0) == num_seqs && context_lens.is_contiguous(),
               "context_lens must be contiguous int32 [num_seqs], got ", context_lens.scalar_type(), " ",
               context_lens.sizes());
   TORCH_CHECK(num_seqs <= 65535, "at most 65535 sequences per call, got ", num_seqs);
   TORCH_CHECK(block_tables.size(1) * block_size <= INT32_MAX, "block_tables too wide");
 
-  auto out = torch::empty({num_seqs, num_heads, head_dim}, query.options());
+  auto out = at::empty({num_seqs, num_heads, head_dim}, query.options());
   PagedAttentionParams p{out.data_ptr(), nullptr, nullptr, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                          block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
                          (int)num_kv_heads, (int)head_dim, (int)block_size, (int)block_tables.size(1), 1, dtype,
                          query.stride(0), query.stride(1), (float)scale};
   p.num_splits = laneserve_attention_splits(block_tables.size(1) * block_size);
   // Freed on return, which is safe: `stream` is torch's current one, on which the allocator orders reuse.
-  torch::Tensor tmp_out, tmp_ml;
+  at::Tensor tmp_out, tmp_ml;
   if (p.num_splits > 1) {
-    const auto f32 = query.options().dtype(torch::kFloat32);
-    tmp_out = torch::empty({num_seqs, num_heads, p.num_splits, head_dim}, f32);
-    tmp_ml = torch::empty({num_seqs, num_heads, p.num_splits, 2}, f32);
+    const auto f32 = query.options().dtype(at::kFloat);
+    tmp_out = at::empty({num_seqs, num_heads, p.num_splits, head_dim}, f32);
+    tmp_ml = at::empty({num_seqs, num_heads, p.num_splits, 2}, f32);
     p.tmp_out = tmp_out.data_ptr<float>();
     p.tmp_ml = tmp_ml.data_ptr<float>();
   }
@@ -90,8 +93,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   return out;
 }
 
-void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping, int64_t stream) {
+void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping, int64_t stream) {
   TORCH_CHECK(key.is_cuda(), "key must be a CUDA tensor, got one on ", key.device());
   dtype_code(key);
   check_on(value, "value", key);
@@ -102,7 +105,7 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
                   key.size(2) == k_cache.size(3),
               "key/value must be [num_tokens, num_kv_heads, head_dim] matching the cache, got ", key.sizes(),
               " and ", value.sizes(), " for cache ", k_cache.sizes());
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous(),
               "slot_mapping must be contiguous int64 [num_tokens]");
   const int64_t elt = key.element_size(), row_bytes = key.size(1) * key.size(2) * elt;
@@ -117,7 +120,9 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "decode attention over the paged KV cache");
-  m.def("store_kv", &store_kv, "write new K/V into the paged cache at slot_mapping (-1 skips)");
+TORCH_LIBRARY(laneserve, m) {
+  m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int stream) -> Tensor", &paged_attention);  // decode attention over the paged KV cache
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "int stream) -> ()", &store_kv);  // new K/V into the cache at slot_mapping (-1 skips)
 }
