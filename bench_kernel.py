@@ -30,8 +30,21 @@ def timed(fn, cuda: bool) -> tuple[torch.Tensor, float]:
     return out, (time.perf_counter() - t) / n * 1000
 
 
+def device(args: argparse.Namespace) -> torch.device:
+    return torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def copy_bandwidth(args: argparse.Namespace) -> float:
+    """GB/s of a plain 1 GiB device-to-device copy, counting its reads and writes."""
+    dev = device(args)
+    src = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    _, ms = timed(lambda: dst.copy_(src), dev.type == "cuda")
+    return 2 * src.numel() / ms / 1e6
+
+
 def run(args: argparse.Namespace) -> list[dict]:
-    dev = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    dev = device(args)
     cuda = dev.type == "cuda"
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
     heads, kv_heads, dim, block = 32, 8, 128, 16
@@ -80,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['context']:>8}{r['batch']:>7}{mb:>10.1f}{r['ours_ms']:>10.3f}{mb / r['ours_ms']:>9.1f}"
               f"{r['reference_ms']:>10.3f}{mb / r['reference_ms']:>9.1f}{r['reference_ms'] / r['ours_ms']:>9.1f}"
               f"{r['max_abs_diff']:>11.2e}")
+    copy = copy_bandwidth(args)
+    print(f"device memory copy: {copy:.1f} GB/s (bytes read + written), the bandwidth the kernel can approach")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -120,11 +120,12 @@ class DecodeAttention:
     def __init__(self):
         self.block_tables: torch.Tensor | None = None  # what the plan below was made for
 
-    def plan(self, block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> None:
+    def plan(self, block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
+             max_context_len: int) -> None:
         block_size, kv_heads, dev = k_cache.shape[1], k_cache.shape[2], k_cache.device
         # Whole blocks: a length that is not a multiple of the block size would leave the gathered K a
         # strided slice, which the matmul below would first copy.
-        num_blocks = -(-int(context_lens.max()) // block_size)
+        num_blocks = -(-max_context_len // block_size)
         self.block_tables, self.blocks = block_tables, block_tables[:, :num_blocks].flatten()
         pad = torch.arange(num_blocks * block_size, device=dev) >= context_lens.to(dev)[:, None]
         # [num_seqs, 1, tokens]: 0 on a sequence's own tokens, -inf on the padding.
@@ -132,9 +133,10 @@ class DecodeAttention:
         self.spread = torch.eye(kv_heads, dtype=k_cache.dtype, device=dev).view(1, kv_heads, 1, kv_heads, 1)
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 max_context_len: int | None = None) -> torch.Tensor:
         if block_tables is not self.block_tables:
-            self.plan(block_tables, context_lens, k_cache)
+            self.plan(block_tables, context_lens, k_cache, max_context_len or int(context_lens.max()))
         seqs, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
         group = heads // kv_heads

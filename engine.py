@@ -13,7 +13,7 @@ from kv_cache import BlockManager
 from runner import ModelRunner, TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status
-from tokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer
 
 
 @dataclass
@@ -48,8 +48,8 @@ class Engine:
         self.device, self.dtype, self.model_config, self.max_model_len = r.device, r.dtype, r.model_config, \
             r.max_model_len
         self.checkpoint_path = r.checkpoint_path
-        # Random weights borrow the default model's tokenizer: ids past its vocabulary decode to nothing.
-        self.tokenizer = load_tokenizer(r.checkpoint_path or weights.resolve_checkpoint())
+        self.tokenizer = (byte_tokenizer(self.model_config.vocab_size) if c.dummy_weights
+                          else load_tokenizer(r.checkpoint_path))
         weights.read_gguf.cache_clear()
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))

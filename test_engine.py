@@ -222,17 +222,3 @@ def test_int4_is_the_same_model(smollm2_4_layers):
     assert max(abs(a - b) for (_, a), (_, b) in zip(*logits)) < 1e-3
     with pytest.raises(ValueError, match="CPU only"):
         LLM(quantization="int4", device="cuda")
-
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-@cuda
-def test_cuda_greedy_matches_cpu_and_graphs_change_nothing(llm):
-    prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
-    params = SamplingParams(temperature=0, max_tokens=32)
-    cpu = [o.token_ids for o in llm.generate(prompts, params)]
-    for eager in (False, True):
-        gpu = LLM(device="cuda", dtype="float32", max_num_batched_tokens=32, num_kv_blocks=256,
-                  enforce_eager=eager)
-        assert [o.token_ids for o in gpu.generate(prompts, params)] == cpu

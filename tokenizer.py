@@ -210,6 +210,18 @@ def _from_gguf(path: str) -> Tokenizer:
                      get("tokenizer.chat_template"), stops)
 
 
+def byte_tokenizer(vocab_size: int) -> Tokenizer:
+    """The tokenizer of a model with random weights (--dummy-weights), which needs no file: every byte
+    is a token (ids 0-255), then ChatML's specials. The ids past them, up to the model's vocab_size, each
+    decode to one printable ASCII character (never produced by encode), so every token streams text."""
+    special = {t: 256 + i for i, t in enumerate(("<|endoftext|>", "<|im_start|>", "<|im_end|>"))}
+    tok = Tokenizer({bytes([b]): b for b in range(256)}, None, GPT2_PATTERN, special, set(special.values()),
+                    None, special["<|endoftext|>"])
+    tok._pieces += [bytes([33 + i % 94]) for i in range(tok.vocab_size, vocab_size)]
+    tok.vocab_size = len(tok._pieces)
+    return tok
+
+
 def _hf_pattern(pre: dict | None) -> str:
     steps = pre["pretokenizers"] if pre and pre["type"] == "Sequence" else [pre or {"type": None}]
     kinds = [s["type"] for s in steps]

@@ -1,4 +1,6 @@
 """Checkpoints: where each model is looked for, and GGUF / HF safetensors / Meta files loaded into one Llama naming."""
+from __future__ import annotations
+
 import dataclasses
 import functools
 import glob
@@ -10,7 +12,6 @@ import subprocess
 import sys
 import zipfile
 
-import gguf
 import numpy as np
 import torch
 from safetensors import safe_open
@@ -173,7 +174,9 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelCo
 @functools.lru_cache(maxsize=1)
 def read_gguf(path: str) -> gguf.GGUFReader:
     """A GGUF file's parsed header, kept for the next reader of the same file: the weights and the tokenizer
-    both read it, and parsing the vocabulary arrays takes seconds. The engine drops it once both are loaded."""
+    both read it, and parsing the vocabulary arrays takes seconds. The engine drops it once both are loaded.
+    gguf is imported here, so that nothing else (random weights, safetensors) needs it installed."""
+    import gguf
     return gguf.GGUFReader(path)
 
 
@@ -216,8 +219,9 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
 
 
 def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+    from gguf.quants import dequantize
     try:
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        array = dequantize(t.data, t.tensor_type)
     except NotImplementedError:
         raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized "
                          "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants, IQ*)") from None

@@ -28,12 +28,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
     return cache[block_table.to(cache.device)[t // cache.shape[1]].long(), t % cache.shape[1]]
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to
     its sequence's first context_lens[i] cached tokens (its own included), and to nothing else. Query
     head h reads KV head h // (num_heads / num_kv_heads) (grouped-query attention). Computed sequence by
-    sequence in float32 (float64 stays float64); returns query's shape and dtype (zeros for context 0)."""
+    sequence in float32 (float64 stays float64); returns query's shape and dtype (zeros for context 0).
+    max_context_len (at least the longest context) serves the kernel's signature; this needs none."""
     group = query.shape[1] // k_cache.shape[2]
     acc = torch.promote_types(query.dtype, torch.float32)
     out = torch.empty_like(query)
@@ -46,37 +47,33 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           query_start_loc: torch.Tensor, scale: float,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: list[int],
+                           host_context_lens: list[int], scale: float,
                            decode: Callable = paged_attention) -> torch.Tensor:
-    """Causal attention for a flattened batch of sequences. Sequence i owns query rows
-    query_start_loc[i]:query_start_loc[i+1] ([total_tokens, num_heads, head_dim]); they are the
-    last q_len of its context_lens[i] tokens, so row j sits at position context_len - q_len + j
-    and sees keys 0..that position, through the sequence's block table and nothing else.
-    One-token sequences go to `decode` together (the CUDA kernel on GPU), longer ones to SDPA."""
-    starts = query_start_loc.tolist()
-    ctx = context_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    one = [i for i, n in enumerate(q_lens) if n == 1]
+    """Causal attention for a flattened batch of sequences. Sequence i owns the next query_lens[i] rows
+    of query ([total_tokens, num_heads, head_dim]); they are the last of its context_lens[i] tokens, so
+    row j sits at position context_len - q_len + j and sees keys 0..that position, through the
+    sequence's block table and nothing else. The leading one-token sequences go to `decode` together
+    (the CUDA kernel on GPU), the rest to SDPA. query_lens and host_context_lens are on the host."""
+    ones = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
     out = torch.empty_like(query)
-    if one:
-        idx = torch.tensor(one, device=query.device)
-        rows = query_start_loc.to(query.device)[idx].long()
-        out[rows] = decode(query[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
-    for i, n in enumerate(q_lens):
-        if n == 1:
-            continue
-        s = starts[i]
-        k = gather_kv(k_cache, block_tables[i], ctx[i]).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
-        v = gather_kv(v_cache, block_tables[i], ctx[i]).transpose(0, 1)[None]
+    if ones:
+        out[:ones] = decode(query[:ones], k_cache, v_cache, block_tables[:ones], context_lens[:ones], scale,
+                            max(host_context_lens[:ones]))
+    s = ones
+    for i in range(ones, len(query_lens)):
+        n, ctx = query_lens[i], host_context_lens[i]
+        k = gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
+        v = gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)[None]
         q = query[s:s + n].unsqueeze(0).transpose(1, 2)
-        if n == ctx[i]:  # a whole prompt in one chunk: plain causal attention
+        if n == ctx:  # a whole prompt in one chunk: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # a later chunk: query j sits at position ctx - n + j and sees keys up to it
-            pos = torch.arange(ctx[i] - n, ctx[i], device=query.device)
-            mask = torch.arange(ctx[i], device=query.device)[None, :] <= pos[:, None]
+            pos = torch.arange(ctx - n, ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:s + n] = o[0].transpose(0, 1)
+        s += n
     return out
 
 
@@ -116,13 +113,20 @@ def _kernels():
 
 
 def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         max_context_len: int | None = None) -> torch.Tensor:
     """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new
     contiguous tensor). head_dim 64 or 128, block_size 8, 16 or 32, float32/float16/bfloat16,
-    block_tables and context_lens int32 on the same GPU; errors otherwise. Runs on the current stream."""
+    block_tables and context_lens int32 on the same GPU; errors otherwise. Runs on the current stream.
+    max_context_len: the longest context_lens entry or more, from the host (so no device sync); it
+    bounds the fp32 scratch. None: all that block_tables addresses. Each lane's result depends on its
+    own context alone."""
+    if max_context_len is None:  # 0 for shapes the binding rejects, so that its message is the one raised
+        shaped = block_tables.dim() == 2 and k_cache.dim() == 4
+        max_context_len = block_tables.shape[1] * k_cache.shape[1] if shaped else 0
     with torch.cuda.device(query.device if query.is_cuda else -1):
         return _kernels().paged_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                          torch.cuda.current_stream().cuda_stream)
+                                          int(max_context_len), torch.cuda.current_stream().cuda_stream)
 
 
 def cuda_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

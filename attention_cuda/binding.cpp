@@ -44,7 +44,7 @@ void check(const char* err) { TORCH_CHECK(err == nullptr, "CUDA kernel launch fa
 
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                               at::Tensor block_tables, at::Tensor context_lens, double scale,
-                              int64_t stream) {
+                              int64_t max_context_len, int64_t stream) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got one on ", query.device());
   const int dtype = dtype_code(query);
   check_cache(k_cache, v_cache, query);
@@ -73,13 +73,16 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
               context_lens.sizes());
   TORCH_CHECK(num_seqs <= 65535, "at most 65535 sequences per call, got ", num_seqs);
   TORCH_CHECK(block_tables.size(1) * block_size <= INT32_MAX, "block_tables too wide");
+  TORCH_CHECK(max_context_len >= 0 && max_context_len <= block_tables.size(1) * block_size,
+              "max_context_len must be between 0 and what block_tables addresses (", block_tables.size(1),
+              " blocks of ", block_size, " tokens), got ", max_context_len);
 
   auto out = at::empty({num_seqs, num_heads, head_dim}, query.options());
   PagedAttentionParams p{out.data_ptr(), nullptr, nullptr, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                          block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
                          (int)num_kv_heads, (int)head_dim, (int)block_size, (int)block_tables.size(1), 1, dtype,
                          query.stride(0), query.stride(1), (float)scale};
-  p.num_splits = laneserve_attention_splits(block_tables.size(1) * block_size);
+  p.num_splits = laneserve_attention_splits(max_context_len);  // and each sequence its own, at most this
   // Freed on return, which is safe: `stream` is torch's current one, on which the allocator orders reuse.
   at::Tensor tmp_out, tmp_ml;
   if (p.num_splits > 1) {
@@ -122,7 +125,8 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 
 TORCH_LIBRARY(laneserve, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int stream) -> Tensor", &paged_attention);  // decode attention over the paged KV cache
+        "float scale, int max_context_len, int stream) -> Tensor",
+        &paged_attention);  // decode attention over the paged KV cache
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int stream) -> ()", &store_kv);  // new K/V into the cache at slot_mapping (-1 skips)
 }

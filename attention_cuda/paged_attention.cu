@@ -9,8 +9,12 @@
 //   blockIdx.x  one KV head and up to GMAX of the query heads that share it (GQA), so each K/V
 //               byte is read from HBM once for its whole group;
 //   blockIdx.y  the sequence (one query token);
-//   blockIdx.z  the split: a sequence's context is cut into num_splits contiguous ranges of at least
-//               PARTITION tokens, each done by its own thread block, then combined by reduce_kernel.
+//   blockIdx.z  the split: a sequence of ctx tokens is cut into n = clamp(ceil(ctx / PARTITION), 1,
+//               MAX_SPLITS) contiguous ranges, each done by its own thread block. n comes from the
+//               sequence's own length, never from its neighbours', so its result is bitwise the same
+//               whatever batch it runs in. gridDim.z = p.num_splits is the largest n of the call
+//               (from the longest context, known on the host); blocks with z >= n return at once. A
+//               sequence with n == 1 writes its output directly, reduce_kernel merges the others' splits.
 //   Inside a block, each token row of one KV head (head_dim * sizeof(T) bytes) is read by LPT
 //   lanes, 16 bytes each (VEC elements); a warp thus covers TPW = 32 / LPT tokens per step
 //   (bf16/fp16: 2 tokens at head_dim 128, 4 at 64; fp32: 1 and 2), and the 4 warps interleave over
@@ -31,15 +35,28 @@ constexpr int MAX_SPLITS = 64;  // bounds the fp32 scratch: num_seqs * num_heads
 constexpr int UNROLL = 2;       // steps whose K/V loads are issued together, to keep loads in flight
 constexpr float LOG2E = 1.4426950408889634f;
 
-// Tokens per split for a sequence of ctx tokens; both kernels must agree on it.
-__device__ __forceinline__ int split_len(int ctx, int num_splits) {
-  return max(PARTITION, (ctx + num_splits - 1) / num_splits);
+// Splits for ctx tokens: one per PARTITION tokens, at least 1, at most cap. The one rule for the host
+// (laneserve_attention_splits: the grid and scratch, from the call's longest context) and the kernels
+// (each sequence's own count), so a sequence never uses more splits than the scratch holds.
+__host__ __device__ __forceinline__ int splits_for(int64_t ctx, int cap) {
+  const int64_t n = (ctx + PARTITION - 1) / PARTITION;
+  return (int)(n < 1 ? 1 : n > cap ? cap : n);
 }
+
+// Tokens per split for a sequence of ctx > 0 tokens in n splits (both kernels must agree): PARTITION
+// (the last split shorter), or ceil(ctx / n) when n was capped; either way none of the n is empty.
+__device__ __forceinline__ int split_len(int ctx, int n) { return max(PARTITION, (ctx + n - 1) / n); }
 
 // Tokens the sequence really has: its context length, clamped to what its block-table row can address
 // (a wrong length then gives wrong numbers rather than an illegal address).
 __device__ __forceinline__ int seq_len(const PagedAttentionParams& p, int seq) {
   return min(max(p.context_lens[seq], 0), p.max_blocks * p.block_size);
+}
+
+// The sequence's own split count, within the grid. A context longer than the host declared gets the
+// grid's p.num_splits, longer splits: still exact, only no longer independent of the batch.
+__device__ __forceinline__ int lane_splits(const PagedAttentionParams& p, int ctx) {
+  return splits_for(ctx, min(MAX_SPLITS, p.num_splits));
 }
 
 // 16 bytes of T -> floats, by bit operations (no pointer punning, which strict aliasing forbids).
@@ -83,15 +100,14 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
   const int g0 = (blockIdx.x % chunks) * GMAX;
   const int head0 = kv_head * group + g0;
   const int nh = min(GMAX, group - g0);           // heads of this block, block-uniform
-  const int seq = blockIdx.y, split = blockIdx.z, num_splits = p.num_splits;
-  const int ctx = seq_len(p, seq);
-  const int start = split * split_len(ctx, num_splits);
-  const int end = min(start + split_len(ctx, num_splits), ctx);
+  const int seq = blockIdx.y, split = blockIdx.z;
+  const int ctx = seq_len(p, seq), n = lane_splits(p, ctx);
+  if (split >= n) return;  // a split this sequence does not need (a longer one in the call does)
+  const int start = split * split_len(ctx, n), end = min(start + split_len(ctx, n), ctx);
   T* out_row = static_cast<T*>(p.out) + ((int64_t)seq * p.num_heads + head0) * HEAD_DIM;
 
-  if (start >= end) {  // a split past the sequence's end; with one split, an empty one gets zeros
-    if (num_splits == 1)
-      for (int i = threadIdx.x; i < nh * HEAD_DIM; i += NUM_THREADS) out_row[i] = from_float<T>(0.f);
+  if (ctx == 0) {  // an empty sequence (n = 1) gets zeros
+    for (int i = threadIdx.x; i < nh * HEAD_DIM; i += NUM_THREADS) out_row[i] = from_float<T>(0.f);
     return;
   }
 
@@ -202,21 +218,23 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
       o += red_acc[k][g][d] * w;
     }
     o /= L;  // L >= 1: the state holding the max token contributes exp2(0)
-    if (num_splits == 1) {
+    if (n == 1) {
       out_row[i] = from_float<T>(o);
     } else {
-      const int64_t r = ((int64_t)seq * p.num_heads + head0 + g) * num_splits + split;
+      const int64_t r = ((int64_t)seq * p.num_heads + head0 + g) * p.num_splits + split;
       p.tmp_out[r * HEAD_DIM + d] = o;
       if (d == 0) { p.tmp_ml[2 * r] = M; p.tmp_ml[2 * r + 1] = L; }
     }
   }
 }
 
-// One block per (head, sequence), one thread per dim: merge the sequence's active splits.
+// One block per (head, sequence), one thread per dim: merge the sequence's n splits. A sequence with
+// n == 1 (also an empty one) has its output from attention_kernel already, and nothing in the scratch.
 template <typename T>
 __global__ void reduce_kernel(const PagedAttentionParams p) {
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, head_dim = blockDim.x;
-  const int ctx = seq_len(p, seq), n = (ctx + split_len(ctx, p.num_splits) - 1) / split_len(ctx, p.num_splits);
+  const int n = lane_splits(p, seq_len(p, seq));
+  if (n == 1) return;
   const int64_t r0 = ((int64_t)seq * p.num_heads + head) * p.num_splits;
   const float* ml = p.tmp_ml + 2 * r0;
   float M = -INFINITY, L = 0.f, o = 0.f;
@@ -226,7 +244,8 @@ __global__ void reduce_kernel(const PagedAttentionParams p) {
     L += w;
     o += p.tmp_out[(r0 + s) * head_dim + d] * w;
   }
-  static_cast<T*>(p.out)[((int64_t)seq * p.num_heads + head) * head_dim + d] = from_float<T>(n > 0 ? o / L : 0.f);
+  // L >= 1: the split holding the max contributes its own sum, itself >= 1.
+  static_cast<T*>(p.out)[((int64_t)seq * p.num_heads + head) * head_dim + d] = from_float<T>(o / L);
 }
 
 // One block per new token: copy its K and V rows (num_kv_heads * head_dim elements) into its slot.
@@ -270,10 +289,7 @@ const char* last_error() {
 
 extern "C" {
 
-int laneserve_attention_splits(int64_t max_context) {
-  const int64_t n = (max_context + PARTITION - 1) / PARTITION;
-  return (int)(n < 1 ? 1 : n > MAX_SPLITS ? MAX_SPLITS : n);
-}
+int laneserve_attention_splits(int64_t max_context) { return splits_for(max_context, MAX_SPLITS); }
 
 const char* laneserve_paged_attention(const PagedAttentionParams* p, cudaStream_t stream) {
   if (p->head_dim != 64 && p->head_dim != 128) return "head_dim must be 64 or 128";

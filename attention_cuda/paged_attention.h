@@ -7,8 +7,10 @@ typedef struct CUstream_st* cudaStream_t;  // as cuda_runtime_api.h declares it;
 // Decode attention: query [num_seqs, num_heads, head_dim] (dim contiguous, strides in elements,
 // multiples of 16 bytes) attends to the first context_lens[i] tokens of its sequence in the caches
 // [num_blocks, block_size, num_kv_heads, head_dim] (contiguous, 16-byte aligned) through
-// block_tables [num_seqs, max_blocks] (int32); out is contiguous like query. With num_splits > 1
-// (see laneserve_attention_splits), tmp_out [num_seqs, num_heads, num_splits, head_dim] and tmp_ml
+// block_tables [num_seqs, max_blocks] (int32); out is contiguous like query. Each sequence uses
+// laneserve_attention_splits(its own context) splits, at most num_splits, so with num_splits =
+// laneserve_attention_splits(longest context of the call) its result depends on nothing else in the
+// batch. With num_splits > 1, tmp_out [num_seqs, num_heads, num_splits, head_dim] and tmp_ml
 // [..., num_splits, 2] are fp32 scratch. dtype: 0 float32, 1 float16, 2 bfloat16; head_dim 64 or
 // 128; block_size a power of two.
 struct PagedAttentionParams {
@@ -22,8 +24,8 @@ struct PagedAttentionParams {
 };
 
 extern "C" {
-// How many splits the launcher uses (and the scratch must hold) when a block-table row addresses
-// max_context tokens: known on the host without reading context_lens.
+// The splits a sequence of max_context tokens uses. With the call's longest context (known on the
+// host, no read of context_lens) it gives num_splits: the grid's extent and the scratch's.
 int laneserve_attention_splits(int64_t max_context);
 // Launch on `stream`; NULL on success, else the error.
 const char* laneserve_paged_attention(const PagedAttentionParams* p, cudaStream_t stream);

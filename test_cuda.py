@@ -1,0 +1,68 @@
+"""The CUDA engine against the CPU engine, on the same seeded random weights in float32 (the GPU test machine
+has no checkpoint): SmolLM2's shapes (GQA 9:3, head_dim 64) and a head_dim-128 model; graphs on and off,
+prefix hits, swapping, host syncs, a second GPU. Skipped without CUDA; .ci/gpu runs them."""
+import pytest
+import torch
+
+import weights
+from engine import LLM
+from model import ModelConfig
+from sequence import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+HEAD_DIM_128 = ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=128, rope_theta=500000.0)
+# Byte prompts of mixed lengths (the random model's tokenizer is byte-level), several past the 64-token budget.
+PROMPTS = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog. " * (i * i % 7) for i in range(10)]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def same_weights_everywhere(monkeypatch):
+    # Random weights drawn on the CPU whatever the device, so that both engines get the same numbers.
+    draw = weights.dummy_weights
+    monkeypatch.setattr(weights, "dummy_weights", lambda config, dtype, seed, device: draw(config, dtype, seed, "cpu"))
+    monkeypatch.setitem(weights.PRESETS, "head-dim-128", HEAD_DIM_128)
+
+
+def generate(device: str, model: str, prompts=PROMPTS, params=GREEDY, **kwargs) -> list[list[int]]:
+    llm = LLM(model=model, dummy_weights=True, device=device, dtype="float32", max_num_batched_tokens=64,
+              **{"num_kv_blocks": 512, **kwargs})
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "head-dim-128"])
+def test_cuda_engine_matches_cpu_with_and_without_graphs(model):
+    cpu = generate("cpu", model)
+    assert generate("cuda", model) == cpu
+    assert generate("cuda", model, enforce_eager=True) == cpu
+
+
+@pytest.mark.parametrize("kwargs", [dict(enable_prefix_caching=True), dict(preemption_mode="swap", num_kv_blocks=40)],
+                         ids=["prefix-hits", "swapping"])
+def test_prefix_hits_and_swapping_match_cpu(kwargs):
+    # A shared 464-token prefix leaves one-token pieces beside decodes (graphs must pick the sampled rows);
+    # a pool of 40 blocks forces sequences out to host memory and back.
+    prefix = "You are a helpful assistant. " * 16 if "enable_prefix_caching" in kwargs else ""
+    prompts = [prefix + p for p in PROMPTS]
+    assert generate("cuda", "smollm2-135m", prompts, **kwargs) == generate("cpu", "smollm2-135m", prompts, **kwargs)
+
+
+def test_decode_step_waits_on_the_device_once():
+    llm = LLM(model="smollm2-135m", dummy_weights=True, device="cuda", dtype="float32", num_kv_blocks=256)
+    for i, mode in enumerate([dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=1), dict(logprobs=2)]):
+        llm.add_request(PROMPTS[i], SamplingParams(max_tokens=8, ignore_eos=True, **mode))
+    llm.step()  # the prefill
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as caught:
+            llm.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")
+def test_second_gpu():
+    assert generate("cuda:1", "head-dim-128") == generate("cpu", "head-dim-128")

