@@ -4,6 +4,8 @@ the opt-in prefix cache, and swap space on the host.
 A sequence's token at position p lives in block block_table[p // block_size], row p % block_size:
 physical slot = block_id * block_size + p % block_size. Blocks are handed out when a sequence
 first needs them and return to the pool the moment the sequence finishes."""
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -63,13 +65,18 @@ class KVCache:
                         d[on_device] = staged.to(d.device, non_blocking=self.pinned)
 
 
+def block_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The prefix-cache key of a full block: h_i = SHA-256(h_{i-1} + its token ids), h_{-1} = b"", so a
+    key names the whole prefix. Cryptographic, because a collision would serve one request's KV to
+    another, and Python's hash can be made to collide on purpose (from 3.12 hash(None) is a constant)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
 class BlockManager:
     """A pool of block ids: an LRU-ordered free list and reference counts. With prefix caching,
-    every full block is published under a hash chain, h_i = hash((h_{i-1}, tokens of block i)),
-    so a block's key names its whole prefix. A new sequence whose prompt starts with the same blocks
-    shares them (ref count + 1) instead of recomputing them. Freed blocks keep their content and key
-    until the pool hands them out again, oldest-freed first. (Keys are 64-bit hashes; a collision,
-    vanishingly unlikely, would share a wrong block.)"""
+    every full block is published under its block_key, which names its whole prefix. A new sequence
+    whose prompt starts with the same blocks shares them (ref count + 1) instead of recomputing them.
+    Freed blocks keep their content and key until the pool hands them out again, oldest-freed first."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.num_blocks = num_blocks
@@ -77,8 +84,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # chain hash -> block
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # block_key -> block
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,9 +124,9 @@ class BlockManager:
         is always computed, for its logits, and a sequence must never write into a shared block."""
         if not self.enable_prefix_caching:
             return 0
-        bs, h = self.block_size, None
+        bs, h = self.block_size, b""
         for i in range((len(token_ids) - 1) // bs):
-            h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
+            h = block_key(h, token_ids[i * bs:(i + 1) * bs])
             block = self.cached.get(h)
             if block is None:
                 break
@@ -136,9 +143,9 @@ class BlockManager:
         bs = self.block_size
         for i in range(start // bs, end // bs):
             block = block_table[i]
-            parent = self.block_hash[block_table[i - 1]] if i else None
-            if self.block_hash[block] is not None or (i and parent is None):
+            parent = self.block_hash[block_table[i - 1]] if i else b""
+            if self.block_hash[block] is not None or parent is None:
                 continue  # already keyed (shared), or its prefix is unknown (swapped back in)
-            h = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+            h = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             self.block_hash[block] = h
             self.cached.setdefault(h, block)  # a twin computed by another sequence keeps the entry

@@ -1,10 +1,13 @@
 """The scheduler under pressure: preemption (recompute and swap), prefix caching, static mode,
 stop strings, logprobs and configuration checks, all through the real engine."""
+import hashlib
 import random
+from array import array
 
 import pytest
 
 from engine import LLM, SamplingParams
+from kv_cache import BlockManager
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "every jolly sphinx of black quartz near my river bank").split()
@@ -182,3 +185,18 @@ def test_text_held_for_a_possible_stop_string_is_released_at_eos(roomy):
     assert free.finish_reason == "stop" and free.text.endswith(".")  # ended by EOS, right after a "."
     out = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=32, stop=[".zzz"]))[0]
     assert out.text == free.text and out.finish_reason == "stop"
+
+
+def test_prefix_cache_keys_are_a_sha256_chain():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    ids, table = list(range(13)), []
+    bm.allocate(table, 13)
+    bm.publish(table, ids, 0, 13)
+    keys = [bm.block_hash[b] for b in table]
+    assert keys[0] == hashlib.sha256(array("q", ids[:4]).tobytes()).digest()
+    assert keys[1] == hashlib.sha256(keys[0] + array("q", ids[4:8]).tobytes()).digest()
+    assert keys[3] is None  # the partial last block has no key
+    # A key names its whole prefix: the same block after another first block is another key.
+    shared, other = [], []
+    assert bm.match_prefix(shared, ids[:8] + [99] * 5) == 8 and shared == table[:2]
+    assert bm.match_prefix(other, [99] + ids[1:]) == 0 and other == []
