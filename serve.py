@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import importlib.metadata
 import itertools
 import json
 import math
@@ -92,8 +93,10 @@ class HTTPServer(ThreadingHTTPServer):
 
 class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 max_queue: int = 1024, timeout: float = 30.0, max_body: int = 8 * 2**20):
+                 max_queue: int = 1024, timeout: float = 30.0, max_body: int = 8 * 2**20,
+                 served_model_name: str | None = None):
         self.config, self.host, self.port, self.api_key, self.max_queue = config, host, port, api_key, max_queue
+        self.served_model_name = served_model_name
         self.timeout = timeout    # per-connection socket timeout: a stalled client holds only its own thread
         self.max_body = max_body  # bytes
         self.engine: Engine | None = None  # set once loaded
@@ -145,8 +148,8 @@ class Server:
         try:
             engine = Engine(c)
             path = engine.checkpoint_path
-            self.model_names = list(dict.fromkeys([c.model, *(os.path.basename(p.rstrip("/"))
-                                                              for p in (c.model, path) if p)]))
+            self.model_names = [self.served_model_name] if self.served_model_name else list(dict.fromkeys(
+                [c.model, *(os.path.basename(p.rstrip("/")) for p in (c.model, path) if p)]))
             self.stats = engine.stats()
             self.engine = engine
         except BaseException as e:  # wait_ready reports it
@@ -210,6 +213,23 @@ class Server:
         job.replies.put(None)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("laneserve")
+    except importlib.metadata.PackageNotFoundError:  # a checkout pip never installed
+        return "unknown"
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, invalid UTF-8, hostile nesting
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
 def _get(body: dict, name: str, kind: type, default=None):
     """body[name] checked against kind with JSON's types (a bool is no number; NaN and Infinity, which
     Python's json accepts, are none either); null means default."""
@@ -229,7 +249,7 @@ def _is_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
 
-def _chat_prompt(body: dict, engine: Engine) -> list[int]:
+def _chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
@@ -248,7 +268,7 @@ def _chat_prompt(body: dict, engine: Engine) -> list[int]:
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""})
     try:
-        return engine.tokenizer.apply_chat_template(clean)
+        return engine.tokenizer.apply_chat_template(clean, add_generation_prompt)
     except Exception as e:  # the checkpoint's template refuses the conversation (say, roles out of order)
         raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from e
 
@@ -348,7 +368,9 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
             routes = {("GET", "/health"): self._health, ("GET", "/metrics"): self._metrics,
-                      ("GET", "/v1/models"): self._models,
+                      ("GET", "/version"): lambda: self._send(200, {"version": _version()}),
+                      ("POST", "/tokenize"): lambda: self._tokenize(body),
+                      ("POST", "/detokenize"): lambda: self._detokenize(body), ("GET", "/v1/models"): self._models,
                       ("POST", "/v1/chat/completions"): lambda: self._generate(body, chat=True),
                       ("POST", "/v1/completions"): lambda: self._generate(body, chat=False)}
             if (route := routes.get((method, path))) is None:
@@ -419,6 +441,25 @@ class Handler(BaseHTTPRequestHandler):
             lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         self._send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4; charset=utf-8")
 
+    def _tokenize(self, raw: bytes) -> None:
+        """vLLM's /tokenize: a completion's prompt or a chat's messages, as the engine would see them."""
+        engine, body = self._engine(), _json_object(raw)
+        if "messages" in body:
+            ids = _chat_prompt(body, engine, _get(body, "add_generation_prompt", bool, True))
+        else:
+            tok = engine.tokenizer
+            if not isinstance(prompt := body.get("prompt"), str):
+                raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+            ids = tok.encode(prompt, add_bos=_get(body, "add_special_tokens", bool, True) and tok.add_bos_token)
+        self._send(200, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
+
+    def _detokenize(self, raw: bytes) -> None:
+        engine, body = self._engine(), _json_object(raw)
+        ids, vocab = body.get("tokens"), engine.model_config.vocab_size
+        if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)):
+            raise ApiError(400, f"'tokens' must be an array of token ids in [0, {vocab})", "tokens")
+        self._send(200, {"prompt": engine.tokenizer.decode(ids)})
+
     def _next(self, replies: queue.Queue) -> RequestOutput | None:
         """The next reply, checking at most every 0.1 s (a syscall per token would cost the step loop
         its GIL) whether the client closed its socket: readable yet empty means it did (a pipelined
@@ -447,13 +488,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
     def _generate(self, raw: bytes, chat: bool) -> None:
-        engine = self._engine()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # bad JSON, invalid UTF-8, hostile nesting
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
+        engine, body = self._engine(), _json_object(raw)
         model = _get(body, "model", str, self.app.model_names[0])
         if model not in self.app.model_names:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -524,13 +559,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="serve.py", description="OpenAI-compatible server: POST /v1/chat/completions, "
-                       "/v1/completions; GET /v1/models, /health, /metrics (Prometheus).")
+                       "/v1/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics (Prometheus), "
+                       "/version.")
     a = p.add_argument
     a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     a("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     a("--api-key", default=os.environ.get("LANESERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)")
     a("--max-queue", type=int, default=1024, help="requests waiting beyond this get 429 (default 1024)")
+    a("--served-model-name", help="the model's name in the API: /v1/models, responses, and the one requests "
+      "may name (default: --model and the checkpoint's file name)")
     add_cli_args(p)
     return p
 
@@ -544,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                  (args.max_queue >= 1, "--max-queue must be >= 1")])
     except ValueError as e:
         parser.error(str(e))
-    server = Server(config, args.host, args.port, args.api_key, args.max_queue)
+    server = Server(config, args.host, args.port, args.api_key, args.max_queue,
+                    served_model_name=args.served_model_name)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

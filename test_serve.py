@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import http.client
 import importlib
+import importlib.metadata
 import json
 import os
 import re
@@ -453,3 +454,36 @@ def test_cli_stops_cleanly_while_loading():
     assert p.wait(30) == 0
     err = p.stderr.read()
     assert "Traceback" not in err and "terminate" not in err, err
+
+
+def test_tokenize_detokenize_version(server):
+    status, body = request(server, "POST", "/tokenize", {"prompt": "Hello world"})
+    tokens = json.loads(body)
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 8192
+    assert json.loads(request(server, "POST", "/detokenize", {"tokens": tokens["tokens"]})[1])["prompt"] == "Hello world"
+    chat = json.loads(request(server, "POST", "/tokenize", {"messages": CHAT})[1])
+    engine = server.engine
+    assert chat["tokens"] == engine.tokenizer.apply_chat_template(CHAT)
+    bare = json.loads(request(server, "POST", "/tokenize", {"messages": CHAT, "add_generation_prompt": False})[1])
+    assert bare["tokens"] == engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False) != chat["tokens"]
+    for path, body in [("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [-1]}), ("/detokenize", {}),
+                       ("/tokenize", b"[1]")]:
+        status, reply = request(server, "POST", path, body)
+        assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", (path, reply)
+    status, body = request(server, "GET", "/version")
+    assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("laneserve")
+
+
+def test_served_model_name(tiny):
+    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
+               served_model_name="my-model")
+    s.start()
+    try:
+        assert s.wait_ready(120)
+        assert [m["id"] for m in json.loads(request(s, "GET", "/v1/models")[1])["data"]] == ["my-model"]
+        ok = {"model": "my-model", "prompt": [1, 2, 3], "max_tokens": 2}
+        status, body = request(s, "POST", "/v1/completions", ok)
+        assert status == 200 and json.loads(body)["model"] == "my-model"
+        assert request(s, "POST", "/v1/completions", {**ok, "model": tiny})[0] == 404
+    finally:
+        s.stop()
