@@ -106,6 +106,7 @@ class Server:
         self._inbox: queue.Queue[Submit | list[str] | None] = queue.Queue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
+        self.dead: str | None = None  # why the engine thread died, once it has
         self._httpd: HTTPServer | None = None
         self._threads: list[threading.Thread] = []
 
@@ -142,6 +143,20 @@ class Server:
     def submit(self, item: Submit | list[str]) -> None:
         """Sequences to add, or request ids to abort; any thread."""
         self._inbox.put(item)
+        if self.dead:  # nobody else will answer it: whichever of us drains after `dead` is set does
+            self._refuse_inbox()
+
+    def _refuse_inbox(self, taken: list | None = None) -> None:
+        """Answer every request taken from the inbox (`taken`) or still in it with the engine's death."""
+        items = list(taken or [])
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if isinstance(item, Submit):  # an accepted one reads this after its None, and stops there
+                item.replies.put(ApiError(503, self.dead))
 
     def _engine_loop(self) -> None:
         c = self.config
@@ -158,9 +173,20 @@ class Server:
         finally:
             self._ready.set()
         streams: dict[str, Stream] = {}
+        items: list[Submit | list[str] | None] = []  # what the loop has taken from the inbox
+        try:
+            self._serve(engine, streams, items)
+        except BaseException as e:  # a bug outside a step: say so everywhere instead of hanging
+            traceback.print_exc()
+            self.dead = f"the engine thread died ({type(e).__name__}: {e}); restart the server"
+            for stream in streams.values():
+                stream.replies.put(ApiError(503, self.dead))
+            self._refuse_inbox(items)
+
+    def _serve(self, engine: Engine, streams: dict[str, Stream], items: list) -> None:
         while True:
             # Block on the inbox only when idle; with work pending take what is there and step.
-            items = [] if engine.has_unfinished() else [self._inbox.get()]
+            items[:] = [] if engine.has_unfinished() else [self._inbox.get()]
             while not self._inbox.empty():
                 items.append(self._inbox.get_nowait())
             if None in items:
@@ -407,6 +433,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _engine(self) -> Engine:
+        if self.app.dead:
+            raise ApiError(503, self.app.dead)
         if self.app.engine is None:
             raise ApiError(503, "the model is still loading")
         return self.app.engine
@@ -436,6 +464,8 @@ class Handler(BaseHTTPRequestHandler):
                 ("prefix_cache_hits_total", "counter", "prefix_cache_hits", "Prompt tokens found cached.")]:
             lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} {kind}",
                       f"vllm:{name}{{{label}}} {s.get(key, 0)}"]
+        lines += ["# HELP laneserve:engine_alive 0 once the engine thread has died (see /health).",
+                  "# TYPE laneserve:engine_alive gauge", f"laneserve:engine_alive{{{label}}} {int(not app.dead)}"]
         for name, hist, text in [("time_to_first_token_seconds", app.ttft, "Time to first token."),
                                  ("inter_token_latency_seconds", app.itl, "Time between tokens.")]:
             lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]

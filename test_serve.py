@@ -487,3 +487,33 @@ def test_served_model_name(tiny):
         assert request(s, "POST", "/v1/completions", {**ok, "model": tiny})[0] == 404
     finally:
         s.stop()
+
+
+class Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("where", ["step", "stats"])
+def test_engine_thread_death_is_reported_not_hung(tiny, capsys, where):
+    # Death mid-step with the request in flight, or while taking the request from the inbox (stats are read
+    # there, outside any step): either way every request gets OpenAI's error at once, and so does /health.
+    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0)
+    s.start()
+    try:
+        assert s.wait_ready(120)
+        body = {"model": tiny, "prompt": [1, 2, 3], "max_tokens": 50, "ignore_eos": True}
+
+        def broken():
+            raise Killed("injected") if where == "step" else RuntimeError("injected")
+        setattr(s.engine, where, broken)
+        began = time.monotonic()
+        status, reply = request(s, "POST", "/v1/completions", body)
+        assert status == 503 and "engine thread died" in json.loads(reply)["error"]["message"]
+        status, reply = request(s, "GET", "/health")
+        assert status == 503 and "injected" in json.loads(reply)["error"]["message"]
+        assert request(s, "POST", "/v1/completions", body)[0] == 503
+        assert time.monotonic() - began < 5
+        assert re.search(r"^laneserve:engine_alive\{.*\} 0$", request(s, "GET", "/metrics")[1].decode(), re.M)
+        assert "injected" in capsys.readouterr().err  # the traceback is in the server's log
+    finally:
+        s.stop()
