@@ -94,9 +94,10 @@ class HTTPServer(ThreadingHTTPServer):
 class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_queue: int = 1024, timeout: float = 30.0, max_body: int = 8 * 2**20,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, request_timeout: float | None = None):
         self.config, self.host, self.port, self.api_key, self.max_queue = config, host, port, api_key, max_queue
         self.served_model_name = served_model_name
+        self.request_timeout = request_timeout  # seconds from submission; the request then ends, its KV freed
         self.timeout = timeout    # per-connection socket timeout: a stalled client holds only its own thread
         self.max_body = max_body  # bytes
         self.engine: Engine | None = None  # set once loaded
@@ -490,11 +491,13 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"'tokens' must be an array of token ids in [0, {vocab})", "tokens")
         self._send(200, {"prompt": engine.tokenizer.decode(ids)})
 
-    def _next(self, replies: queue.Queue) -> RequestOutput | None:
+    def _next(self, replies: queue.Queue, deadline: float) -> RequestOutput | None:
         """The next reply, checking at most every 0.1 s (a syscall per token would cost the step loop
         its GIL) whether the client closed its socket: readable yet empty means it did (a pipelined
-        request would make it readable, but not empty)."""
+        request would make it readable, but not empty), and whether the request's deadline passed."""
         while True:
+            if time.monotonic() > deadline:
+                raise ApiError(408, f"the request took longer than --request-timeout {self.app.request_timeout:g}s")
             if time.monotonic() - self.checked > 0.1:
                 try:
                     sock = self.connection
@@ -540,9 +543,10 @@ class Handler(BaseHTTPRequestHandler):
             return {**head, "choices": choices, **({"usage": None} if usage_chunk else {})}
 
         self.app.submit(job)
+        deadline = job.submitted + (self.app.request_timeout or math.inf)
         streaming = False  # once a stream's headers are out, errors go into the stream
         try:
-            if (refusal := self._next(job.replies)) is not None:
+            if (refusal := self._next(job.replies, deadline)) is not None:
                 raise refusal
             if stream:
                 self.send_response(200)
@@ -552,7 +556,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.end_headers()
                 streaming = True
             while not all(o and o[-1].finished for o in outputs):
-                out = self._next(job.replies)
+                out = self._next(job.replies, deadline)
                 i, before = index[out.request_id], outputs[index[out.request_id]]
                 lps = [out.logprob] if out.logprob is not None else []
                 if stream and chat and not before:  # OpenAI opens each choice with its role
@@ -597,6 +601,8 @@ def _parser() -> ArgumentParser:
     a("--api-key", default=os.environ.get("LANESERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)")
     a("--max-queue", type=int, default=1024, help="requests waiting beyond this get 429 (default 1024)")
+    a("--request-timeout", type=float, help="seconds a request may take before it ends with an error and its "
+      "KV is freed (default: no limit)")
     a("--served-model-name", help="the model's name in the API: /v1/models, responses, and the one requests "
       "may name (default: --model and the checkpoint's file name)")
     add_cli_args(p)
@@ -609,11 +615,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = from_cli_args(args)
         require([(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
-                 (args.max_queue >= 1, "--max-queue must be >= 1")])
+                 (args.max_queue >= 1, "--max-queue must be >= 1"),
+                 (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0")])
     except ValueError as e:
         parser.error(str(e))
     server = Server(config, args.host, args.port, args.api_key, args.max_queue,
-                    served_model_name=args.served_model_name)
+                    served_model_name=args.served_model_name, request_timeout=args.request_timeout)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

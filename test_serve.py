@@ -383,7 +383,7 @@ def test_queue_limit_429(server, client):
 
 def test_cli_bad_values_one_line(capsys):
     for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
-                 ["--gpu-memory-utilization", "1.5"], ["--bogus"]):
+                 ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
@@ -515,5 +515,24 @@ def test_engine_thread_death_is_reported_not_hung(tiny, capsys, where):
         assert time.monotonic() - began < 5
         assert re.search(r"^laneserve:engine_alive\{.*\} 0$", request(s, "GET", "/metrics")[1].decode(), re.M)
         assert "injected" in capsys.readouterr().err  # the traceback is in the server's log
+    finally:
+        s.stop()
+
+
+def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
+    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
+               request_timeout=0.5)
+    s.start()
+    try:
+        assert s.wait_ready(120)
+        step = s.engine.step
+        s.engine.step = lambda: time.sleep(0.05) or step()  # 200 tokens now take 10 s
+        body = {"model": tiny, "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+        began = time.monotonic()
+        status, reply = request(s, "POST", "/v1/completions", body)
+        assert status == 408 and "--request-timeout 0.5s" in json.loads(reply)["error"]["message"]
+        assert time.monotonic() - began < 2
+        m = wait_metrics(s, lambda m: m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0)
+        assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0
     finally:
         s.stop()
