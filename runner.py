@@ -185,10 +185,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             # Reported from the model's distribution (after penalties, before temperature), as vLLM does.
             lp = logit.log_softmax(-1)
             top = lp.topk(p.logprobs)
-            logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices.double(), top.values.double()
+            logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices, top.values
     # One transfer: token ids (exact in float64) and every logprob in one tensor.
-    parts = [tokens.double(), *(t for row in logprobs.values() for t in row)]
-    flat = torch.cat([t.double() for t in parts]).tolist()
+    flat = torch.cat([t.double() for t in (tokens, *(t for row in logprobs.values() for t in row))]).tolist()
     ids, at = [int(t) for t in flat[:len(seqs)]], len(seqs)
     out: list[TokenLogprob | None] = [None] * len(seqs)
     for i in logprobs:
@@ -219,8 +218,8 @@ class DecodeGraphs:
             query_lens=[1] * n, host_context_lens=[])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        m = self.meta
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
-            m = self.meta
             meta = BatchMeta(m.slot_mapping[:size], m.block_tables[:size], m.context_lens[:size],
                              m.query_start_loc[:size + 1], m.sample_rows[:size], 1, m.max_context_len, [1] * size, [])
             args = (self.ids[:size], self.pos[:size], meta, runner.kv_cache.layers)
