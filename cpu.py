@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import Transformer
+import attention_cuda
+from model import BatchMeta, Transformer
 
 INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blocks
 
@@ -26,17 +27,25 @@ def has_bf16_units() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
-def optimize(model: Transformer, max_num_seqs: int, quantization: str | None) -> None:
+ROW_TILE = 16   # rows per matmul call: see TiledLinear
+KEY_TILE = 32   # keys per attention tile: see TiledAttention
+
+
+def optimize(model: Transformer, quantization: str | None) -> None:
     """Swap the fast CPU forms into model, in place."""
-    model.decode = DecodeAttention()
+    model.attention, model.store_kv = TiledAttention(), store_finite_kv
     _replace(model, nn.RMSNorm, FusedRMSNorm)
-    if quantization == "int4":  # the layers only: GGUF files keep the LM head at 8 bits, so do we
-        _replace(model.layers, nn.Linear, lambda linear: Int4Linear(linear.weight))
-    # oneDNN packs bfloat16 weights only where these instructions exist; elsewhere F.linear it is.
-    flags = _cpu_flags()
-    if model.embed.weight.dtype == torch.bfloat16 and ({"avx512bw", "avx512vl", "avx512dq"} <= flags
-                                                       or "avx_ne_convert" in flags):
-        _replace(model, nn.Linear, lambda linear: PackedLinear(linear.weight, max_num_seqs))
+    dtype, flags = model.embed.weight.dtype, _cpu_flags()
+    # oneDNN packs float32 weights everywhere, bfloat16 only where these instructions exist.
+    packs = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or dtype == torch.bfloat16 and (
+        {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags))
+
+    def tiled(linear: nn.Linear) -> TiledLinear:
+        # int4 for the layers only: GGUF files keep the LM head at 8 bits, so do we.
+        if quantization == "int4" and linear is not model.lm_head:
+            return TiledLinear(Int4Linear(linear.weight))
+        return TiledLinear(PackedLinear(linear.weight) if packs else linear)
+    _replace(model, nn.Linear, tiled)
 
 
 def _replace(root: nn.Module, kind: type, make) -> None:
@@ -48,7 +57,8 @@ def _replace(root: nn.Module, kind: type, make) -> None:
 
 class FusedRMSNorm(nn.Module):
     """RMSNorm as the LayerNorm of [x, -x]: its mean is 0 and its variance mean(x^2), so its first half
-    is x / sqrt(mean(x^2) + eps). LayerNorm is one fused kernel on CPU where F.rms_norm is eight ops."""
+    is x / sqrt(mean(x^2) + eps). LayerNorm is one fused kernel on CPU where F.rms_norm is eight ops;
+    like it, it computes each row alone."""
 
     def __init__(self, norm: nn.RMSNorm):
         super().__init__()
@@ -59,20 +69,32 @@ class FusedRMSNorm(nn.Module):
         return F.layer_norm(torch.cat((x, x.neg()), -1), (2 * d,), None, None, self.eps)[..., :d] * self.weight
 
 
-class PackedLinear(nn.Module):
-    """A bfloat16 weight reordered once into oneDNN's blocked layout, instead of on every call; the same
-    bits. A tied LM head gets its own packed copy; the embedding stays a plain table."""
+class TiledLinear(nn.Module):
+    """A linear layer run ROW_TILE rows at a time, the last tile padded with zero rows, so that the matmul
+    library sees one shape whatever the batch. Matmul libraries pick their kernel by shape (a lone row
+    takes a matrix-vector path; oneDNN's bfloat16 changes kernel with the row count), and kernels sum a
+    row's products in different orders: without tiles a row's bits would follow its batch. With one
+    shape there is one kernel, and a blocked matmul computes every row of it the same way."""
 
-    def __init__(self, weight: torch.Tensor, batch_size: int):
+    def __init__(self, matmul: nn.Module):
         super().__init__()
-        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, batch_size), requires_grad=False)
+        self.matmul = matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.shape[1] > 1024:
-            # oneDNN takes a separate path for a single row, which sums long rows (over 1024 inputs) in
-            # another order than its batched path: a sequence alone would get other bits than in a batch.
-            # Computed as two rows it gets the batched path's.
-            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.weight, None, "none", [], "")[:1]
+        n = x.shape[0]
+        x = F.pad(x, (0, 0, 0, -n % ROW_TILE))
+        return (self.matmul(x) if n <= ROW_TILE else torch.cat([self.matmul(t) for t in x.split(ROW_TILE)]))[:n]
+
+
+class PackedLinear(nn.Module):
+    """A weight reordered once into oneDNN's blocked layout for ROW_TILE-row inputs, instead of on every
+    call; the same arithmetic. A tied LM head gets its own packed copy; the embedding stays a plain table."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, ROW_TILE), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
 
 
@@ -106,49 +128,134 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """Blocks `blocks` (sequence after sequence, equally many each) as [num_seqs, tokens, kv_heads, dim].
-    A block is one contiguous row, so this is a row index_select: a memcpy per block."""
-    return cache.view(cache.shape[0], -1).index_select(0, blocks).view(num_seqs, -1, *cache.shape[2:])
-
-
-class DecodeAttention:
-    """attention_cuda.paged_attention's signature and result, all sequences in one padded batch. What
-    depends only on the block tables is planned by the first layer's call of a step and reused by the
-    others (they get the same block_tables tensor)."""
+class TiledAttention:
+    """Paged attention for every query token of a step, prefill or decode, computed one way, in float32.
+    A token's keys 0..position are cut into tiles of KEY_TILE keys from key 0. Each matmul is one token's
+    queries against one tile (scores, then the weighted values), batched over tokens and tiles; softmax
+    takes the max over all of the token's scores, and the per-tile sums of weights and of weighted values
+    are added in a pairwise tree in tile order. So a token's result depends on its sequence and position
+    alone: not on its batch, on where its prompt was cut, or on whether it ran as a prefill or a decode.
+    The one-token sequences run together, all their (sequence, tile) pairs in one batch; each longer
+    prefill piece runs tile by tile, its tokens sharing each tile. What depends only on the block tables
+    is planned by the first layer's call of a step and reused by the others."""
 
     def __init__(self):
-        self.block_tables: torch.Tensor | None = None  # what the plan below was made for
+        self.meta: BatchMeta | None = None  # what the plan below was made for
 
-    def plan(self, block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor,
-             max_context_len: int) -> None:
-        block_size, kv_heads, dev = k_cache.shape[1], k_cache.shape[2], k_cache.device
-        # Whole blocks: a length that is not a multiple of the block size would leave the gathered K a
-        # strided slice, which the matmul below would first copy.
-        num_blocks = -(-max_context_len // block_size)
-        self.block_tables, self.blocks = block_tables, block_tables[:, :num_blocks].flatten()
-        pad = torch.arange(num_blocks * block_size, device=dev) >= context_lens.to(dev)[:, None]
-        # [num_seqs, 1, tokens]: 0 on a sequence's own tokens, -inf on the padding.
-        self.bias = torch.zeros(pad.shape, dtype=k_cache.dtype, device=dev).masked_fill_(pad, float("-inf"))[:, None]
-        self.spread = torch.eye(kv_heads, dtype=k_cache.dtype, device=dev).view(1, kv_heads, 1, kv_heads, 1)
+    def plan(self, meta: BatchMeta, block_size: int) -> None:
+        lens, ctx = meta.query_lens, meta.host_context_lens
+        ones = next((i for i, n in enumerate(lens) if n > 1), len(lens))
+        per_tile = max(1, KEY_TILE // block_size)
+        self.tile = tile = per_tile * block_size
+        tables, key = meta.block_tables.cpu().long(), torch.arange(tile)
+        self.meta, self.decodes, self.prefills = meta, None, []
+        if ones:  # every (sequence, tile) pair that holds keys, sequence after sequence, tiles in order
+            pos = torch.tensor(ctx[:ones]) - 1
+            exists = torch.arange(int(pos.max()) // tile + 1) < (pos // tile + 1)[:, None]  # [seqs, tiles]
+            width = exists.shape[1] * per_tile
+            blocks = F.pad(tables[:ones], (0, width))[:, :width].reshape(ones, -1, per_tile)[exists]
+            seq, j = exists.nonzero().unbind(1)
+            hidden = (j[:, None] * tile + key > pos[seq, None])[:, None]
+            self.decodes = (blocks.flatten(), seq, exists.flatten().nonzero()[:, 0], exists.shape, hidden)
+        start = ones
+        for i in range(ones, len(lens)):  # a prefill piece: its blocks, and per tile the keys each row sees
+            n, tiles = lens[i], -(-ctx[i] // tile)
+            blocks = F.pad(tables[i], (0, tiles * per_tile))[:tiles * per_tile]
+            pos = torch.arange(ctx[i] - n, ctx[i])[:, None]
+            hidden = [(j * tile + key > pos)[:, None] for j in range(tiles)]
+            self.prefills.append((slice(start, start + n), blocks, hidden))
+            start += n
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                 max_context_len: int | None = None) -> torch.Tensor:
-        if block_tables is not self.block_tables:
-            self.plan(block_tables, context_lens, k_cache, max_context_len or int(context_lens.max()))
-        seqs, heads, dim = query.shape
-        kv_heads = k_cache.shape[2]
-        group = heads // kv_heads
-        k = gather_blocks(k_cache, self.blocks, seqs).flatten(2)  # [seqs, tokens, kv_heads * dim]
-        v = gather_blocks(v_cache, self.blocks, seqs).flatten(2)
-        # Grouped-query attention without copying K/V per head: each query head is laid out across all
-        # kv_heads * dim columns, zero outside its own KV head's slice (a product with the identity, exact),
-        # so one batched matmul with the keys as gathered gives every head its scores.
-        q = (query.view(seqs, kv_heads, group, 1, dim) * self.spread).view(seqs, heads, kv_heads * dim)
-        # Scale and pad mask ride in the matmul; softmax runs in the cache's dtype (it widens inside).
-        # Pad keys are masked out, and the cache is zero-initialised, so they cannot leak NaN into the sum.
-        probs = torch.baddbmm(self.bias, q, k.transpose(1, 2), alpha=scale).softmax(-1)
-        # Backwards: head h's output is the slice of its row that belongs to its KV head.
-        out = torch.bmm(probs, v).view(seqs, kv_heads, group, kv_heads, dim).diagonal(dim1=1, dim2=3)
-        return out.permute(0, 3, 1, 2).reshape(seqs, heads, dim)
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                 scale: float) -> torch.Tensor:
+        if meta is not self.meta:
+            self.plan(meta, k_cache.shape[1])
+        kv_heads, dim, t = *k_cache.shape[2:], self.tile
+        q = (query.float() * scale).view(query.shape[0], kv_heads, -1, dim)
+        out = q.new_empty(kv_heads, q.shape[0], *q.shape[2:])  # [kv_heads, tokens, group, dim]
+        if self.decodes:
+            blocks, seq, slot, grid, hidden = self.decodes
+            k, v = (gather_blocks(c, blocks).view(len(seq), t, kv_heads, dim) for c in (k_cache, v_cache))
+            s = scores(q[seq], k, hidden)  # [kv_heads, pairs, group, tile]
+
+            def spread(x: torch.Tensor, fill: float) -> torch.Tensor:  # pairs -> [.., seqs, tiles, ..], absent: fill
+                full = x.new_full((x.shape[0], grid[0] * grid[1], *x.shape[2:]), fill)
+                return full.index_copy_(1, slot, x).unflatten(1, grid)
+            p = s.sub_(spread(s.amax(-1, keepdim=True), float("-inf")).amax(2)[:, seq]).exp_()
+            total = pairwise(spread(p.sum(-1, keepdim=True), 0.0), 2)
+            out[:, :grid[0]] = pairwise(spread(weighted(p, v), 0.0), 2) / total
+        for rows, blocks, hidden in self.prefills:
+            k, v = (gather_blocks(c, blocks).view(len(hidden), t, kv_heads, dim) for c in (k_cache, v_cache))
+            n = rows.stop - rows.start
+            # Every row reads the same tile: a stride-0 batch, not copies.
+            s = torch.stack([scores(q[rows], kj.expand(n, -1, -1, -1), h) for kj, h in zip(k, hidden)])
+            p = s.sub_(s.amax((0, -1), keepdim=True)).exp_()  # [tiles, kv_heads, n, group, tile]
+            total = pairwise(p.sum(-1, keepdim=True), 0)
+            out[:, rows] = tree_sum(weighted(pj, vj.expand(n, -1, -1, -1)) for pj, vj in zip(p, v)) / total
+        return out.transpose(0, 1).reshape(query.shape).to(query.dtype)
+
+    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
+        """attention_cuda.paged_attention's signature and result."""
+        lens = context_lens.tolist()
+        meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), torch.empty(0), 1,
+                         max(lens), [1] * len(lens), lens)
+        return self(query, k_cache, v_cache, meta, scale)
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """q [batch, kv_heads, group, dim] (scaled) against one key tile k [batch, tile, kv_heads, dim]:
+    [kv_heads, batch, group, tile], -inf where hidden ([batch, 1, tile]: keys past the token's position).
+    One matmul per KV head: its group of query heads against its keys."""
+    s = q.new_empty(k.shape[2], q.shape[0], q.shape[2], k.shape[1])
+    for h in range(k.shape[2]):
+        torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=s[h])
+    return s.masked_fill_(hidden, float("-inf"))
+
+
+def weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Weights p [kv_heads, batch, group, tile] times one value tile v [batch, tile, kv_heads, dim]."""
+    o = p.new_empty(*p.shape[:3], v.shape[3])
+    for h in range(v.shape[2]):
+        torch.bmm(p[h], v[:, :, h], out=o[h])
+    return o
+
+
+def pairwise(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x summed over dim level by level, (x0 + x1) + (x2 + x3), ..., a level of odd length padded with a
+    zero (which gives the same bits as padding to a power of two at the start: adding 0 is exact)."""
+    x = x.movedim(dim, 0)
+    while x.shape[0] > 1:
+        if x.shape[0] % 2:
+            x = torch.cat((x, x.new_zeros(1, *x.shape[1:])))
+        x = x[0::2] + x[1::2]
+    return x[0]
+
+
+def tree_sum(leaves) -> torch.Tensor:
+    """The leaves summed as pairwise() sums them, one leaf at a time: two partial sums over equally many
+    leaves are added as soon as both exist, and what is left at the end is added from the right."""
+    stack: list[tuple[int, torch.Tensor]] = []
+    for x in leaves:
+        size = 1
+        while stack and stack[-1][0] == size:
+            x, size = stack.pop()[1] + x, size * 2
+        stack.append((size, x))
+    x = stack.pop()[1]
+    while stack:
+        x = stack.pop()[1] + x
+    return x
+
+
+def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """attention_cuda.store_kv, values that are not finite stored as 0. TiledAttention weighs the slots
+    of a tile past a sequence's end (left by a block's former owner) by exactly 0, which is only 0 for
+    a finite value: a sequence that went NaN must not reach the next owner of its blocks."""
+    attention_cuda.store_kv(key, value.nan_to_num(0.0, 0.0, 0.0), k_cache, v_cache, slot_mapping)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks `blocks` (int64 ids) in float32, one row each. A block is one contiguous row of the cache,
+    so the gather is a row index_select: a memcpy per block."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks).float()

@@ -87,8 +87,8 @@ class Block(nn.Module):
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, device="meta")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, store_kv: Callable, decode: Callable) -> torch.Tensor:
-        """store_kv, decode: attention_cuda's functions of those names (or their CUDA or CPU forms)."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, store_kv: Callable, attention: Callable) -> torch.Tensor:
+        """store_kv: attention_cuda's (or its CUDA form); attention: Transformer.attention (or cpu.py's)."""
         c = self.c
         n, d, h, kv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
         qkv = self.qkv(self.attn_norm(x)).view(n, -1, d)
@@ -96,12 +96,7 @@ class Block(nn.Module):
         qk = apply_rope(qkv[:, :h + kv], cos, sin)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        scale = 1.0 / math.sqrt(d)
-        if meta.max_query_len == 1:
-            o = decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len)
-        else:
-            o = attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                      meta.query_lens, meta.host_context_lens, scale, decode)
+        o = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(d))
         x = x + self.o(o.reshape(n, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).view(n, 2, -1).unbind(1)
         return x + self.down(F.silu(gate) * up)
@@ -121,11 +116,19 @@ class Transformer(nn.Module):
         sin = freqs.sin()
         sin[:, :config.head_dim // 2] *= -1  # see apply_rope
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Paged attention: our kernel on CUDA, else the pure-PyTorch reference (cpu.py swaps in a faster
-        # CPU decode).
+        # Paged attention: our kernel on CUDA, else the pure-PyTorch reference (cpu.py swaps in its own).
         cuda = torch.device(device).type == "cuda"
         self.store_kv = attention_cuda.cuda_store_kv if cuda else attention_cuda.store_kv
         self.decode = attention_cuda.cuda_paged_attention if cuda else attention_cuda.paged_attention
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                  scale: float) -> torch.Tensor:
+        """Each query token attends to its own sequence's cached keys up to its position: the decode path
+        when every sequence brings one token, else the reference's varlen form."""
+        if meta.max_query_len == 1:
+            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len)
+        return attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                     meta.query_lens, meta.host_context_lens, scale, self.decode)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -164,5 +167,5 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache, self.store_kv, self.decode)
+            x = layer(x, cos, sin, meta, k_cache, v_cache, self.store_kv, self.attention)
         return self.lm_head(self.norm(x[meta.sample_rows]))

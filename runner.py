@@ -51,7 +51,7 @@ class ModelRunner:
         self.model = Transformer(mc, self.max_model_len, self.device)
         self.model.load_hf_state_dict(state)
         if on_cpu:
-            cpu.optimize(self.model, c.max_num_seqs, c.quantization)
+            cpu.optimize(self.model, c.quantization)
 
         kv = KVShape(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
         per_block = kv.bytes_per_block(c.block_size, self.dtype)

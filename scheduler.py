@@ -34,12 +34,6 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0     # ... and served from it
         self.budget = 0          # tokens this step may still compute, reset by schedule()
-        # Prefills are cut on a fixed grid: see _cut. A chunked cell fits beside one decode token from
-        # every other sequence (unless that leaves less than a block), so the oldest prefill progresses.
-        # Unchunked, a cell is the whole budget: add_request refuses longer prompts, so only a sequence
-        # recomputed after preemption spans several.
-        self.prefill_chunk = (max(blocks.block_size, config.max_num_batched_tokens - config.max_num_seqs + 1)
-                              if config.enable_chunked_prefill else config.max_num_batched_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -111,12 +105,15 @@ class Scheduler:
             self.running.append(seq)
 
     def _cut(self, seq: Sequence, computed: int) -> int:
-        """How many of seq's tokens from position `computed` on run this step: exactly one cell of
-        a fixed grid (multiples of prefill_chunk), never part of one, or 0 if the cell does not fit
-        the budget left. Where a prompt is cut then depends on nothing else in the batch, and
-        neither does how its attention rounds (in bfloat16, other cuts can give other tokens)."""
-        n = min(seq.num_tokens - computed, self.prefill_chunk - computed % self.prefill_chunk)
-        return n if n <= self.budget else 0
+        """How many of seq's tokens from position `computed` on run this step: all that are left if the
+        budget allows, else (chunked prefill) as many as it allows. Without chunked prefill a prompt
+        waits for a step with room for all of it; only a sequence recomputed after preemption can be
+        longer than the budget, and it is chunked. Cuts can fall anywhere: no token's result depends
+        on where its prompt was cut (see the README's "Lanes never mix")."""
+        n = seq.num_tokens - computed
+        if n <= self.budget:
+            return n
+        return 0 if not self.config.enable_chunked_prefill and n <= self.config.max_num_batched_tokens else self.budget
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         if seq.status is not Status.RUNNING:

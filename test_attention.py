@@ -12,6 +12,7 @@ import torch
 import attention_cuda
 import cpu
 from attention_cuda import paged_attention, paged_attention_varlen, store_kv
+from model import BatchMeta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE = "cuda"  # where the kernel tests put their tensors
@@ -101,20 +102,73 @@ def test_reference_decode_matches_naive():
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
+def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale):
+    """cpu.TiledAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner orders them."""
+    lens = [n for _, n in lanes]
+    ctx = [c for c, _ in lanes]
+    meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32), torch.empty(0),
+                     torch.empty(0), max(lens), max(ctx), lens, ctx)
+    return cpu.TiledAttention()(query, k_cache, v_cache, meta, scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads, head_dim, block_size", [((9, 3), 64, 16), ((4, 4), 128, 8), ((8, 1), 64, 32)])
-def test_cpu_decode_matches_reference(heads, head_dim, block_size, dtype):
-    # cpu.py's decode (one padded batch, whole blocks, grouped heads spread wide) against the reference,
-    # twice with the same block tables (the second call reuses the first call's plan, as later layers do).
-    lens = [1, block_size - 1, block_size, block_size + 1, 100, 37]
-    query, k_cache, v_cache, tables, context_lens, _ = make_batch(head_dim + block_size, [(n, 1) for n in lens],
-                                                                  *heads, head_dim, block_size, dtype)
-    decode, scale = cpu.DecodeAttention(), head_dim ** -0.5
-    # In bfloat16 its probabilities are rounded to bfloat16 before the weighted sum (8 bits each).
-    tolerance = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for q, k, v in ((query, k_cache, v_cache), (query.flip(0), v_cache, k_cache)):
-        expected = reference_decode(q, k, v, tables, context_lens, scale)
-        torch.testing.assert_close(decode(q, k, v, tables, context_lens, scale).float(), expected, **tolerance)
+def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype):
+    # cpu.py's attention (key tiles, online softmax in float32) against the float64 loop: decodes and
+    # prefill pieces with earlier context, contexts within one key tile and across several.
+    lanes = [(1, 1), (block_size - 1, 1), (block_size, 1), (block_size + 1, 1), (300, 1), (37, 1),
+             (7, 7), (50, 9), (2 * cpu.KEY_TILE + 5, 40), (block_size + 1, block_size + 1)]
+    batch = make_batch(head_dim + block_size, lanes, *heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    out = cpu_attention(*batch[:4], lanes, scale)
+    expected = naive_attention(*[x.double() if x.is_floating_point() else x for x in batch], scale)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
+    # The decode entry point, with the reference's signature.
+    ones = 6
+    decode = cpu.TiledAttention().decode(batch[0][:ones], *batch[1:3], batch[3][:ones], batch[4][:ones], scale)
+    torch.testing.assert_close(decode.double(), expected[:ones], **TOLERANCE[dtype])
+
+
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_attention_token_depends_on_its_position_only(dtype):
+    # One 300-token sequence (9 query heads over 3 KV heads, blocks of 16), its tokens computed as one
+    # prefill piece, as pieces cut at other points (mid-block too), and one by one as decodes, each time
+    # beside other sequences of other lengths: every token's result is the same, bit for bit. Huge values
+    # left in slots past the sequence's end (by a block's former owner) change nothing.
+    length, heads, kv_heads, dim, bs = 300, 9, 3, 64, 16
+    others = [(5, 1), (700, 1), (33, 1), (129, 3), (400, 20)]
+    query, k_cache, v_cache, tables, _, _ = make_batch(3, [(length, length)] + others, heads, kv_heads, dim, bs, dtype)
+    q, table, rest = query[:length], tables[:1], query[length:]
+    k_cache[tables[0, length // bs], length % bs:] = float("nan")
+    v_cache[tables[0, length // bs], length % bs:] = 1e30
+
+    def step(pieces):  # pieces of our sequence [(start, end)], then the others; one-token pieces first
+        lanes = [(end, end - start) for start, end in pieces] + others
+        order = sorted(range(len(lanes)), key=lambda i: lanes[i][1] > 1)
+        rows = [q[a:b] for a, b in pieces] + list(rest.split([n for _, n in others]))
+        t = torch.cat([table] * len(pieces) + [tables[1:]])
+        out = cpu_attention(torch.cat([rows[i] for i in order]), k_cache, v_cache, t[order],
+                            [lanes[i] for i in order], dim ** -0.5)
+        out = out.split([lanes[i][1] for i in order])
+        return [out[order.index(i)] for i in range(len(pieces))]
+
+    whole = step([(0, length)])[0]
+    assert not whole.isnan().any()
+    for cuts in ([0, 37, 38, 128, 200, 300], [0, 1, 16, 255, 256, 257, 300]):
+        torch.testing.assert_close(torch.cat(step(list(zip(cuts, cuts[1:])))), whole, rtol=0, atol=0)
+    decodes = torch.cat([piece for p in range(0, length, 60) for piece in step([(t, t + 1) for t in range(p, p + 60)])])
+    torch.testing.assert_close(decodes, whole, rtol=0, atol=0)
+
+
+def test_cpu_store_kv_keeps_values_finite():
+    # A sequence gone NaN leaves no NaN or inf value behind for the next owner of its blocks (see above).
+    k_cache, v_cache = torch.zeros(2, 1, 4, 3, 2)
+    key, value = torch.ones(4, 3, 2), torch.tensor([float("nan"), float("inf"), -float("inf"), 2.0])[:, None, None].expand(4, 3, 2)
+    cpu.store_finite_kv(key, value, k_cache, v_cache, torch.arange(4))
+    assert torch.equal(k_cache[0], key) and torch.equal(v_cache[0], value.nan_to_num(0.0, 0.0, 0.0))
 
 
 def test_store_kv_exact_and_skips_padding():

@@ -85,15 +85,6 @@ def test_last_position_logits(llm, hf):
         assert (ours - ref).abs().max().item() < 1e-3
 
 
-def test_lanes_independent(llm):
-    prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    together = llm.generate(prompts, params)
-    for ids, out in zip(prompts, together):
-        alone = llm.generate([ids], params)[0]
-        assert alone.token_ids == out.token_ids
-
-
 def test_seeded_sampling_independent_of_batch(llm):
     prompt = llm.tokenizer.apply_chat_template(CHATS[6])
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24)
@@ -192,22 +183,6 @@ def test_int4_rows_do_not_depend_on_the_batch(dtype):
     full = linear(x)
     for start, stop in [(0, 1), (5, 6), (0, 2), (3, 10), (0, 17), (7, 40), (0, 33)]:
         assert torch.equal(linear(x[start:stop]), full[start:stop]), (start, stop)
-
-
-@pytest.mark.parametrize("quantization, dtype", [(None, "bfloat16"), ("int4", "bfloat16")])
-def test_lanes_independent_in_every_cpu_mode(quantization, dtype, request):
-    # bfloat16 rounds coarsely enough that any difference in how a sequence is computed shows in its
-    # tokens: a lone row's matmul path, or its prompt cut at other points (a budget of 32 chunks
-    # every prompt, and more sequences take more of each step's budget). With int4 the first 4 of
-    # SmolLM2's 30 layers show it as well (checked by cutting prompts anywhere); without, only all 30 do.
-    model_path = request.getfixturevalue("smollm2_4_layers") if quantization else None
-    engine = LLM(model_path=model_path, quantization=quantization, max_num_batched_tokens=32, num_kv_blocks=256,
-                 dtype=dtype, device="cpu")
-    prompts = [engine.tokenizer.apply_chat_template(c) for c in CHATS]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    together = engine.generate(prompts, params)
-    for ids, out in zip(prompts, together):
-        assert engine.generate([ids], params)[0].token_ids == out.token_ids
 
 
 def test_int4_is_the_same_model(smollm2_4_layers):

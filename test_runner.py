@@ -54,7 +54,7 @@ def test_one_host_sync_per_step(tiny, monkeypatch):
     # sampled tokens (and logprobs), once, whatever the mix of prefill chunks, decodes and sampling modes.
     llm = engine(tiny, max_num_batched_tokens=64)
     # CPU attention reads lengths back (free on a CPU); the CUDA kernels read none. Stand-ins that read none:
-    llm.runner.model.decode = lambda q, *args: q.clone()
+    llm.runner.model.attention = lambda q, *args: q.clone()
     llm.runner.model.store_kv = lambda *args: None
     modes = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),
              dict(temperature=0, logprobs=3), dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5)]

@@ -200,3 +200,20 @@ def test_prefix_cache_keys_are_a_sha256_chain():
     shared, other = [], []
     assert bm.match_prefix(shared, ids[:8] + [99] * 5) == 8 and shared == table[:2]
     assert bm.match_prefix(other, [99] + ids[1:]) == 0 and other == []
+
+
+def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):
+    # --max-num-seqs 256 --max-num-batched-tokens 256: while 250 sequences decode, a 4,000-token prompt takes
+    # the 6 tokens a step they leave (cut anywhere), so its prefill ends after ceil(4000 / 6) steps. The
+    # forward pass is stubbed: this is about who runs, not what they compute.
+    llm = LLM(model=tiny, dummy_weights=True, max_num_seqs=256, max_num_batched_tokens=256, num_kv_blocks=20000,
+              dtype="float32", device="cpu")
+    llm.runner.run = lambda scheduled: [(s, 7, None) for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens]
+    for i in range(250):
+        llm.add_request([5 + i], SamplingParams(max_tokens=5000, ignore_eos=True))
+    llm.step()
+    llm.add_request(list(range(10, 4010)), SamplingParams(max_tokens=1), "long")
+    steps = 0
+    while not any(out.request_id == "long" for out in llm.step()):
+        steps += 1
+    assert steps + 1 == -(-4000 // 6)

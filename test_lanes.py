@@ -1,0 +1,92 @@
+"""Lanes never mix: every request's tokens and logprobs, bit for bit, are those of its lone run, whatever
+runs beside it, however its prompt is cut, whether its prefix came from the cache, and whether it was
+preempted on the way (recomputed or swapped). On random weights in SmolLM2's shapes (so the matmul and
+attention kernels are the real model's), 2 layers and a vocabulary of 8192: the rule is about how each
+sequence's arithmetic is arranged, not about the weights' values, and logprobs compared bit for bit
+show any difference at once."""
+import random
+from collections import defaultdict
+
+import pytest
+
+import weights
+from engine import LLM, SamplingParams
+from model import ModelConfig
+
+MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+         "int4": dict(dtype="bfloat16", quantization="int4")}
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = ModelConfig(vocab_size=8192, num_hidden_layers=2, tie_word_embeddings=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(weights.PRESETS, "smollm2-shapes", config)
+        yield "smollm2-shapes"
+
+
+def engine(model: str, mode: str, **knobs) -> LLM:
+    return LLM(model=model, dummy_weights=True, device="cpu", **MODES[mode], **{"num_kv_blocks": 1024, **knobs})
+
+
+def run(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Every request's (token, logprob, top logprobs) per step."""
+    for i, (ids, params) in enumerate(requests):
+        llm.add_request(ids, params, str(i))
+    got = defaultdict(list)
+    while llm.has_unfinished():
+        for out in llm.step():
+            got[out.request_id].append((out.token_ids[-1], out.logprob.logprob, out.logprob.top))
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    return got
+
+
+def alone(llm: LLM, requests) -> dict[str, list]:
+    return {str(i): run(llm, [request])["0"] for i, request in enumerate(requests)}
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(300, 8192) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_64_lanes_sampling_together(model, mode):
+    # 62 short prompts (3-60 tokens) that decode 10-16 tokens, and 2 of 400 tokens arriving last, whose
+    # prefill runs beside 62 decodes; a budget of 256 cuts prompts wherever it runs out.
+    rng = random.Random(64)
+    requests = [(random_prompt(rng, rng.randint(3, 60)), greedy(rng.randint(10, 16))) for _ in range(62)]
+    requests += [(random_prompt(rng, 400), greedy(rng.randint(2, 6))) for _ in range(2)]
+    llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True)
+    together = run(llm, requests)
+    assert any(sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step)
+               for step in llm.trace)
+    llm.trace.clear()
+    assert together == alone(llm, requests)
+
+
+@pytest.fixture(scope="module")
+def shared_prefixes(model) -> list[tuple[list[int], SamplingParams]]:
+    """16 requests: system prompts of 40, 100 and 260 tokens shared by 4 requests each, and 4 without."""
+    rng = random.Random(16)
+    systems = [random_prompt(rng, n) for n in (40, 100, 260)]
+    return [(system + random_prompt(rng, rng.randint(5, 50)), greedy(rng.randint(4, 12)))
+            for system in systems + [[]] for _ in range(4)]
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "int4"])
+def test_lanes_alone_equal_lanes_together_in_every_path(model, shared_prefixes, mode):
+    requests = shared_prefixes
+    expected = alone(engine(model, mode, max_num_batched_tokens=512), requests)
+    for budget in (32, 64, 512):
+        llm = engine(model, mode, max_num_batched_tokens=budget, enable_prefix_caching=True)
+        assert run(llm, requests) == expected, budget
+        assert llm.scheduler.prefix_hits > 0
+    for preemption in ("recompute", "swap"):  # 24 blocks of 16 tokens: a few sequences at a time
+        llm = engine(model, mode, num_kv_blocks=24, max_num_batched_tokens=64,
+                     preemption_mode=preemption, swap_space=0.05)
+        assert run(llm, requests) == expected, preemption
+        assert llm.scheduler.num_preemptions > 0
