@@ -82,13 +82,14 @@ class TiledLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        x = F.pad(x, (0, 0, 0, -n % ROW_TILE))
+        if n % ROW_TILE:
+            x = F.pad(x, (0, 0, 0, -n % ROW_TILE))
         return (self.matmul(x) if n <= ROW_TILE else torch.cat([self.matmul(t) for t in x.split(ROW_TILE)]))[:n]
 
 
 class PackedLinear(nn.Module):
     """A weight reordered once into oneDNN's blocked layout for ROW_TILE-row inputs, instead of on every
-    call; the same arithmetic. A tied LM head gets its own packed copy; the embedding stays a plain table."""
+    call. A tied LM head gets its own packed copy; the embedding stays a plain table."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()

@@ -90,3 +90,4 @@ def test_lanes_alone_equal_lanes_together_in_every_path(model, shared_prefixes, 
                      preemption_mode=preemption, swap_space=0.05)
         assert run(llm, requests) == expected, preemption
         assert llm.scheduler.num_preemptions > 0
+        assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks

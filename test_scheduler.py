@@ -41,27 +41,6 @@ def lengths_params(n: int, seed: int = 1) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def unpressured(smollm2_4_layers):
-    """(prompts, params, outputs) of 32 requests run with room for all: what every pressured run must give."""
-    llm = small(smollm2_4_layers, num_kv_blocks=512)
-    prompts, params = make_prompts(llm, 32), lengths_params(32)
-    return prompts, params, run(llm, prompts, params)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs(smollm2_4_layers, unpressured, mode):
-    prompts, params, expected = unpressured
-    # 12 blocks of 16 tokens: room for only a few sequences at once.
-    tight = small(smollm2_4_layers, num_kv_blocks=12, preemption_mode=mode, swap_space=0.01)
-    assert run(tight, prompts, params) == expected
-    assert tight.stats()["num_preemptions"] > 0
-    assert tight.block_manager.num_free_blocks == 12
-    if mode == "swap":
-        swap = tight.scheduler.swap_space
-        assert swap.num_free_blocks == swap.num_blocks
-
-
 def test_unchunked_recompute_of_a_sequence_longer_than_the_budget(smollm2_4_layers):
     # Without chunked prefill a prompt runs whole, but a sequence recomputed after preemption holds more
     # tokens than the budget: it must still come back, in budget-sized pieces. Two 100-token prompts
