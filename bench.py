@@ -379,7 +379,7 @@ def pick_goodput(sweep: list[dict], args) -> dict | None:
 def start_server(args, scheduling: str, until: float, report: dict) -> Server:
     """The engine behind real HTTP on a free loopback port, served from this process."""
     print(f"bench.py: starting an in-process {scheduling} server ...", file=sys.stderr)
-    server = Server(engine_config(args, scheduling), port=0)
+    server = Server(engine_config(args, scheduling), port=0, log_requests=False)
     server.start()
     try:
         if not server.wait_ready(max(1.0, until - time.perf_counter())):

@@ -1,6 +1,7 @@
 """The engine's knobs, declared once: EngineConfig's fields are the Python API, and serve.py and bench.py
 build their command lines from them (help text included), so a new knob appears everywhere at once."""
 import argparse
+import os
 from dataclasses import MISSING, dataclass, field, fields
 
 from sequence import require
@@ -40,6 +41,7 @@ class EngineConfig:
     kv_cache_memory: float = knob(2.0, "GiB of KV pool on CPU")
     gpu_memory_utilization: float = knob(0.9, "share of GPU memory to use; the KV pool gets what the model leaves")
     enforce_eager: bool = knob(False, "CUDA: run decode steps eagerly, without CUDA graphs")
+    chat_template: str | None = knob(None, "a Jinja chat template file to use instead of the checkpoint's", type=str)
     torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's, one per core)", type=int)
     trace: bool = False  # keep a per-step trace of the scheduled sequences (tests, teaching); not a flag
 
@@ -61,6 +63,8 @@ class EngineConfig:
              f"unknown device {self.device!r}"),
             (self.seed >= 0, "seed must be >= 0"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+            (self.chat_template is None or os.path.isfile(self.chat_template),
+             f"chat_template: no file {self.chat_template}"),
             *((getattr(self, f.name) in (None, *f.metadata["choices"]), f"{f.name} must be one of "
                f"{', '.join(f.metadata['choices'])}, got {getattr(self, f.name)!r}")
               for f in fields(self) if "choices" in f.metadata)])

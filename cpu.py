@@ -27,7 +27,7 @@ def has_bf16_units() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
-ROW_TILE = 24   # rows per matmul call: see TiledLinear
+ROW_TILE = 64   # rows per matmul call: see TiledLinear
 KEY_TILE = 32   # keys per attention tile: see TiledAttention
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -24,9 +25,11 @@ class RequestOutput:
     text: str
     delta: str          # text released by this step
     finished: bool
-    finish_reason: str | None  # "stop" or "length", as in OpenAI's API
+    finish_reason: str | None  # "stop" or "length", as in OpenAI's API; "error" when error is set
     logprob: TokenLogprob | None = None  # of the token this step produced, when asked for
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_time: float | None = None  # seconds it waited for its first step
+    error: str | None = None  # why this request alone failed (its sampling or detokenizing raised)
 
 
 @dataclass
@@ -50,12 +53,15 @@ class Engine:
         self.checkpoint_path = r.checkpoint_path
         self.tokenizer = (byte_tokenizer(self.model_config.vocab_size) if c.dummy_weights
                           else load_tokenizer(r.checkpoint_path))
+        if c.chat_template:
+            self.tokenizer = self.tokenizer.with_chat_template(c.chat_template)
         weights.read_gguf.cache_clear()
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}
         self.rng = random.Random(c.seed)
         self.trace: list[list[SeqStep]] = []
+        self.on_step = None  # called after each step with (engine, SchedulerOutput, outputs, seconds): events.py
         self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
         self.num_prompt_tokens = 0      # prompt tokens run through the model (cache hits excluded)
         self.num_generation_tokens = 0
@@ -76,8 +82,11 @@ class Engine:
                else list(prompt))
         if not ids:
             raise ValueError("prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        if not all(0 <= t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
+            raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
@@ -94,7 +103,8 @@ class Engine:
         seq = Sequence(request_id, ids, params)
         seq.generator = torch.Generator(self.device).manual_seed(
             params.seed if params.seed is not None else self.rng.getrandbits(63))
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        seq.stop_ids = frozenset(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.stop_token_ids)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -110,17 +120,23 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """schedule -> run the model (batch tensors, forward, sample) -> append the tokens. Returns an
         output for every sequence that produced a token this step."""
+        began = time.perf_counter()
         out = self.scheduler.schedule()
         self.runner.kv_cache.swap(out.swap_out, out.swap_in)
         if not out.scheduled:
             return []
         sampled = self.runner.run(out.scheduled)
         for seq, n in out.scheduled:
+            if seq.queue_time is None:
+                seq.queue_time = time.monotonic() - seq.arrival_time
             begin = seq.num_computed_tokens
             self.num_prompt_tokens += max(0, min(begin + n, seq.num_prompt_tokens) - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, begin + n)
             seq.num_computed_tokens += n
-        outputs = [self._append_token(seq, token, logprob) for seq, token, logprob in sampled]
+        outputs = [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error)
+                   for seq, token, logprob, error in sampled]
+        if self.on_step:
+            self.on_step(self, out, outputs, time.perf_counter() - began)
         if self.config.trace:
             self.trace.append([SeqStep(s.request_id, n, s.num_tokens - s.num_prompt_tokens, s.num_tokens,
                                        s.status is Status.FINISHED) for s, n in out.scheduled])
@@ -139,10 +155,13 @@ class Engine:
         p = seq.params
         delta = ""
         reason = None
-        if token in p.stop_token_ids or (token in self.tokenizer.stop_token_ids and not p.ignore_eos):
+        if token in seq.stop_ids:
             reason = "stop"
-        elif token not in self.tokenizer.stop_token_ids:
-            delta = seq.detokenizer.feed(token)
+        elif token not in self.tokenizer.stop_token_ids:  # an ignored EOS gives no text
+            try:
+                delta = seq.detokenizer.feed(token)
+            except Exception as e:  # a tokenizer bug fails this request, not its neighbours
+                return self._fail(seq, f"detokenizing failed ({type(e).__name__}: {e})")
             if seq.detokenizer.stopped:
                 reason = "stop"
         if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens
@@ -151,11 +170,22 @@ class Engine:
         if reason is not None:
             if not seq.detokenizer.stopped:  # release text held back as a possible stop-string start
                 delta += seq.detokenizer.flush()
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id]
+            self._finish(seq, reason)
+        return self._output(seq, delta, reason, logprob)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        self._finish(seq, "error")
+        return self._output(seq, "", "error", None, error)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id]
+
+    def _output(self, seq: Sequence, delta: str, reason: str | None, logprob: TokenLogprob | None,
+                error: str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
                              seq.detokenizer.text, delta, reason is not None, reason, logprob,
-                             seq.num_cached_tokens)
+                             seq.num_cached_tokens, seq.queue_time, error)
 
 
 class LLM(Engine):

@@ -127,12 +127,12 @@ class ModelRunner:
         return self._send(input_ids, i64), self._send(positions, i64), meta, sampled
 
     def _send(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        pinned = self.device.type == "cuda"
-        return torch.tensor(data, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=pinned)
+        return send(data, dtype, self.device)
 
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, TokenLogprob | None,
+                                                                         str | None]]:
         """One forward pass over the scheduled sequences, writing their new K/V; the next token of each
-        sampled one."""
+        sampled one, or why its sampling failed."""
         ids, pos, meta, sampled = self.prepare(scheduled)
         if self.graphs and meta.max_query_len == 1 and len(scheduled) <= self.graphs.sizes[-1]:
             # A graph computes every row; a one-token prefill piece that is not its prompt's end samples none.
@@ -148,53 +148,96 @@ def kv_cache_bytes(total: int, free: int, peak: int, utilization: float) -> int:
     return int(total * utilization) - (total - free) - peak
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None],
+                                                               list[str | None]]:
     """Next token per sequence: plain greedy rows by one batched max (the first maximal index, as
     argmax; widening bfloat16 first would be exact, so it changes no order); the rest each on its own
     row in float32, drawn from its own generator so that a seeded request draws the same numbers
-    whatever batch it is in. Everything stays on the device until one transfer at the end."""
-    tokens = logits.max(dim=-1).indices
+    whatever batch it is in. Everything stays on the device until one transfer at the end. A row that
+    fails (NaN logits, say) fails its own sequence alone: the third list says why, per sequence."""
+    best = logits.max(dim=-1)  # NaN anywhere in a row makes its max NaN
+    tokens = best.indices
     logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> chosen, top ids, top values
+    errors: list[str | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
-        p, g = seq.params, seq.generator
-        if not (p.temperature or p.presence_penalty or p.frequency_penalty or p.logprobs is not None):
+        p = seq.params
+        if not (p.temperature or p.logprobs is not None or _processes(seq)):
             continue
-        logit = logits[i].float()
-        if p.presence_penalty or p.frequency_penalty:
-            pinned = logits.is_cuda
-            out = torch.tensor(seq.output_token_ids, dtype=torch.int64, pin_memory=pinned)
-            out = out.to(logits.device, non_blocking=pinned)
-            counts = torch.zeros_like(logit).index_add_(0, out, torch.ones_like(out, dtype=logit.dtype))
-            logit -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-            tokens[i] = logit.argmax()
-        if p.temperature:
-            row = logit / p.temperature
-            if p.top_k > 0:
-                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = row.softmax(-1)
-            if p.min_p > 0:
-                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
-            if p.top_p < 1:
-                sorted_probs, order = probs.sort(descending=True)
-                # Drop a token once the mass before it already reaches top_p; the first always stays.
-                drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-                probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
-            tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
-        if p.logprobs is not None:
-            # Reported from the model's distribution (after penalties, before temperature), as vLLM does.
-            lp = logit.log_softmax(-1)
-            top = lp.topk(p.logprobs)
-            logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices, top.values
-    # One transfer: token ids (exact in float64) and every logprob in one tensor.
-    flat = torch.cat([t.double() for t in (tokens, *(t for row in logprobs.values() for t in row))]).tolist()
-    ids, at = [int(t) for t in flat[:len(seqs)]], len(seqs)
-    out: list[TokenLogprob | None] = [None] * len(seqs)
+        try:
+            logit = _process(logits[i].float(), seq)
+            if p.temperature:
+                tokens[i] = _draw(logit / p.temperature, p, seq.generator)
+            elif _processes(seq):
+                tokens[i] = logit.argmax()
+            if p.logprobs is not None:
+                # Reported from the model's distribution (after penalties, before temperature), as vLLM does.
+                lp = logit.log_softmax(-1)
+                top = lp.topk(p.logprobs)
+                logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices, top.values
+        except Exception as e:
+            errors[i] = f"sampling failed ({type(e).__name__}: {e})"
+            logprobs.pop(i, None)
+    # One transfer: token ids (exact in float64), NaN flags and every logprob in one tensor.
+    n = len(seqs)
+    flat = torch.cat([t.double() for t in (tokens, best.values.isnan(),
+                                           *(t for row in logprobs.values() for t in row))]).tolist()
+    ids, at = [int(t) for t in flat[:n]], 2 * n
+    out: list[TokenLogprob | None] = [None] * n
     for i in logprobs:
         k = seqs[i].params.logprobs
         top = list(zip(map(int, flat[at + 1:at + 1 + k]), flat[at + 1 + k:at + 1 + 2 * k]))
         out[i], at = TokenLogprob(ids[i], flat[at], top), at + 1 + 2 * k
-    return ids, out
+    errors = [e or ("the model's logits are NaN" if flat[n + i] else None) for i, e in enumerate(errors)]
+    return ids, out, errors
+
+
+def _processes(seq: Sequence) -> bool:
+    p = seq.params
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
+                or seq.num_tokens - seq.num_prompt_tokens < p.min_tokens)
+
+
+def _process(logit: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """One row of logits (float32, in place) as its request asks: stop tokens banned before min_tokens,
+    logit_bias added, then vLLM's repetition penalty and OpenAI's presence and frequency penalties."""
+    p, dev, i64 = seq.params, logit.device, torch.int64
+    if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens and seq.stop_ids:
+        logit[send(sorted(seq.stop_ids), i64, dev)] = float("-inf")
+    if p.logit_bias:
+        logit[send(list(p.logit_bias), i64, dev)] += send(list(p.logit_bias.values()), logit.dtype, dev)
+    if p.repetition_penalty != 1:
+        seen = send(seq.token_ids, i64, dev).unique()
+        x = logit[seen]
+        logit[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+    if p.presence_penalty or p.frequency_penalty:
+        out = send(seq.output_token_ids, i64, dev)
+        counts = torch.zeros_like(logit).index_add_(0, out, torch.ones_like(out, dtype=logit.dtype))
+        logit -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logit
+
+
+def send(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on device, through pinned memory: the copy never waits on a GPU."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """A token drawn from softmax(row) after top-k, min-p and top-p. NaN becomes 0 first: a device
+    cannot raise for one row (a CUDA assert would end every sequence), and sample() flags the row."""
+    row = row.nan_to_num()
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = row.softmax(-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
+    if p.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Drop a token once the mass before it already reaches top_p; the first always stays.
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 class DecodeGraphs:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from config import EngineConfig
 from kv_cache import BlockManager
@@ -14,6 +14,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]]  # sequences and how many new tokens each computes
     swap_out: list[tuple[int, int]]        # (device block, host block) copies to make first
     swap_in: list[tuple[int, int]]         # (host block, device block)
+    preempted: list[Sequence] = field(default_factory=list)   # their status says how: WAITING or SWAPPED
+    swapped_in: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -63,6 +65,7 @@ class Scheduler:
             self.swapped.popleft()
             self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
             out.swap_in += zip(seq.swap_table, seq.block_table)
+            out.swapped_in.append(seq)
             self.swap_space.free(seq.swap_table)
             self._schedule(seq, n, out)
         # No admissions in a step that had to preempt: the pool is full, and a sequence admitted now
@@ -141,6 +144,7 @@ class Scheduler:
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
+        out.preempted.append(seq)
         if self.config.preemption_mode == "swap" and self.swap_space.can_allocate([], seq.num_computed_tokens):
             self.swap_space.allocate(seq.swap_table, seq.num_computed_tokens)
             out.swap_out += zip(seq.block_table, seq.swap_table)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -28,10 +29,15 @@ class SamplingParams:
     presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # ... and this times how often it was generated
     logprobs: int | None = None     # None: off; k: the chosen token's logprob and the top k
+    min_tokens: int = 0             # stop tokens are banned until this many tokens are out
+    repetition_penalty: float = 1.0  # vLLM's: a seen token's logit divided by it if positive, else multiplied
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
+    skip_special_tokens: bool = True  # control tokens (<|im_start|>) give no text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         require([(self.temperature >= 0, "temperature must be >= 0"),
                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                  (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
@@ -39,7 +45,10 @@ class SamplingParams:
                  (self.max_tokens >= 1, "max_tokens must be >= 1"),
                  (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
                  (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-                 (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]")])
+                 (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+                 (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+                 (0 < self.repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
+                 (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]")])
 
 
 class Status(Enum):
@@ -67,6 +76,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: its own stop_token_ids, and EOS unless ignored
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None  # seconds from arrival_time to its first step
     generator: Any = None    # the sequence's own torch.Generator, so its samples ignore its neighbours
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
 

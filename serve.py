@@ -27,10 +27,30 @@ from urllib.parse import urlsplit
 
 from config import EngineConfig, add_cli_args, from_cli_args
 from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
+from events import StepEvents
 from sequence import require
 
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")  # the live page at /
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# The request fields the server implements, with their JSON types (/openapi.json is built from these).
+# Any other field that is not null is refused with a 400 naming it: never silently ignored.
+SAMPLING_FIELDS = {
+    "model": "string", "n": "integer", "stream": "boolean", "stream_options": "object", "max_tokens": "integer",
+    "temperature": "number", "top_p": "number", "top_k": "integer", "min_p": "number", "seed": "integer",
+    "stop": ["string", "array"], "stop_token_ids": "array", "ignore_eos": "boolean", "min_tokens": "integer",
+    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
+    "logit_bias": "object", "skip_special_tokens": "boolean", "response_format": "object",
+    "user": "string"}  # user: the client's own end-user id, for its records; changes nothing here
+FIELDS = {
+    "/v1/chat/completions": {"messages": "array", "max_completion_tokens": "integer", "logprobs": "boolean",
+                             "top_logprobs": "integer", **SAMPLING_FIELDS},
+    "/v1/completions": {"prompt": ["string", "array"], "logprobs": "integer", "echo": "boolean", **SAMPLING_FIELDS},
+    "/tokenize": {"model": "string", "prompt": "string", "messages": "array", "add_special_tokens": "boolean",
+                  "add_generation_prompt": "boolean"},
+    "/detokenize": {"model": "string", "tokens": "array"}}
+REQUIRED = {"/v1/chat/completions": ["messages"], "/v1/completions": ["prompt"], "/detokenize": ["tokens"]}
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds, as vLLM's
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -81,6 +101,7 @@ class Submit:
 class Stream:
     """Where the engine thread puts one sequence's outputs, and when it last produced one."""
     replies: queue.Queue
+    submitted: float
     last: float  # when submitted, then when it last produced a token
     started: bool = False
 
@@ -94,7 +115,8 @@ class HTTPServer(ThreadingHTTPServer):
 class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_queue: int = 1024, timeout: float = 30.0, max_body: int = 8 * 2**20,
-                 served_model_name: str | None = None, request_timeout: float | None = None):
+                 served_model_name: str | None = None, request_timeout: float | None = None,
+                 log_requests: bool = True):
         self.config, self.host, self.port, self.api_key, self.max_queue = config, host, port, api_key, max_queue
         self.served_model_name = served_model_name
         self.request_timeout = request_timeout  # seconds from submission; the request then ends, its KV freed
@@ -104,10 +126,14 @@ class Server:
         self.model_names: list[str] = []   # the served name first, then others a request may use
         self.stats: dict[str, float] = {}  # the engine's, snapshot by its thread: it alone may read the engine
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
+        self.queue_time, self.e2e = Histogram(REQUEST_BUCKETS), Histogram(REQUEST_BUCKETS)
+        self.log = sys.stderr if log_requests else None  # one access-log line per request
+        self.steps = StepEvents()  # what /v1/engine/steps streams to the live page
         self._inbox: queue.Queue[Submit | list[str] | None] = queue.Queue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.dead: str | None = None  # why the engine thread died, once it has
+        self.stopped = False
         self._httpd: HTTPServer | None = None
         self._threads: list[threading.Thread] = []
 
@@ -133,6 +159,7 @@ class Server:
         return self._ready.is_set()
 
     def stop(self) -> None:
+        self.stopped = True
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -163,6 +190,7 @@ class Server:
         c = self.config
         try:
             engine = Engine(c)
+            engine.on_step = self.steps.publish
             path = engine.checkpoint_path
             self.model_names = [self.served_model_name] if self.served_model_name else list(dict.fromkeys(
                 [c.model, *(os.path.basename(p.rstrip("/")) for p in (c.model, path) if p)]))
@@ -212,10 +240,13 @@ class Server:
             for out in outputs:
                 if (stream := streams.get(out.request_id)) is None:
                     continue
+                if not stream.started and out.queue_time is not None:
+                    self.queue_time.observe(out.queue_time)
                 (self.itl if stream.started else self.ttft).observe(now - stream.last)
                 stream.last, stream.started = now, True
-                stream.replies.put(out)
+                stream.replies.put(ApiError(500, f"this request failed: {out.error}") if out.error else out)
                 if out.finished:
+                    self.e2e.observe(now - stream.submitted)
                     del streams[out.request_id]
             self.stats = engine.stats()
         for stream in streams.values():
@@ -236,7 +267,7 @@ class Server:
                 self.engine.abort(rid)
             job.replies.put(ApiError(400 if isinstance(e, ValueError) else 500, str(e)))
             return
-        streams.update((rid, Stream(job.replies, job.submitted)) for rid in added)
+        streams.update((rid, Stream(job.replies, job.submitted, job.submitted)) for rid in added)
         job.replies.put(None)
 
 
@@ -267,7 +298,8 @@ def _get(body: dict, name: str, kind: type, default=None):
         value = float(value)
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or \
             (kind is float and not math.isfinite(value)):
-        what = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object"}
+        what = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
+                list: "an array"}
         raise ApiError(400, f"'{name}' must be {what[kind]}", name)
     return value
 
@@ -332,13 +364,21 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i:
     else:
         logprobs = _get(body, "logprobs", int)
     seed = _get(body, "seed", int)
+    bias, stop_ids = _get(body, "logit_bias", dict, {}), _get(body, "stop_token_ids", list, [])
+    if not all(k.isdecimal() and type(v) in (int, float) and math.isfinite(v) for k, v in bias.items()):
+        raise ApiError(400, "'logit_bias' must map token ids to numbers", "logit_bias")
+    if not all(type(t) is int for t in stop_ids):
+        raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
     try:
         return SamplingParams(
             temperature=_get(body, "temperature", float, 1.0), top_p=_get(body, "top_p", float, 1.0),
             top_k=_get(body, "top_k", int, 0), min_p=_get(body, "min_p", float, 0.0), max_tokens=max_tokens,
             seed=None if seed is None else (seed + i) % 2**64, ignore_eos=_get(body, "ignore_eos", bool, False),
             stop=stop, presence_penalty=_get(body, "presence_penalty", float, 0.0),
-            frequency_penalty=_get(body, "frequency_penalty", float, 0.0), logprobs=logprobs)
+            frequency_penalty=_get(body, "frequency_penalty", float, 0.0), logprobs=logprobs,
+            stop_token_ids=stop_ids, min_tokens=_get(body, "min_tokens", int, 0),
+            repetition_penalty=_get(body, "repetition_penalty", float, 1.0), logit_bias=bias,
+            skip_special_tokens=_get(body, "skip_special_tokens", bool, True))
     except ValueError as e:  # the messages read "<field> must be ..."
         raise ApiError(400, str(e), str(e).split()[0]) from e
 
@@ -385,17 +425,23 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:
         pass  # clients' protocol errors get their answer and idle keep-alive timeouts are routine: no log
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.status = code
+        super().send_response(code, message)
+
     def do_GET(self) -> None:
-        method = self.command
+        method, began, self.status, self.log_info = self.command, time.monotonic(), 0, {}
         try:
             body = self._read_body() if method == "POST" else b""
-            path = urlsplit(self.path).path
+            self.route = path = urlsplit(self.path).path
             if path.startswith("/v1/") and self.app.api_key and not hmac.compare_digest(
                     self.headers.get("Authorization", "").encode("latin-1"), f"Bearer {self.app.api_key}".encode()):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
-            routes = {("GET", "/health"): self._health, ("GET", "/metrics"): self._metrics,
+            routes = {("GET", "/"): self._page, ("GET", "/v1/engine/steps"): self._steps,
+                      ("GET", "/health"): self._health, ("GET", "/metrics"): self._metrics,
                       ("GET", "/version"): lambda: self._send(200, {"version": _version()}),
+                      ("GET", "/openapi.json"): lambda: self._send(200, _openapi()),
                       ("POST", "/tokenize"): lambda: self._tokenize(body),
                       ("POST", "/detokenize"): lambda: self._detokenize(body), ("GET", "/v1/models"): self._models,
                       ("POST", "/v1/chat/completions"): lambda: self._generate(body, chat=True),
@@ -407,6 +453,11 @@ class Handler(BaseHTTPRequestHandler):
             self._send(e.status, e.body())
         except (ClientGone, OSError):  # the client left mid-response
             self.close_connection = True
+            self.log_info["client"] = "gone"
+        if self.app.log:
+            info = "".join(f" {k}={v:.3f}s" if isinstance(v, float) else f" {k}={v}" for k, v in self.log_info.items())
+            print(f'{self.client_address[0]} "{method} {self.path[:200]}" {self.status}{info} '
+                  f'duration={time.monotonic() - began:.3f}s', file=self.app.log, flush=True)
 
     do_POST = do_GET
 
@@ -440,6 +491,40 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(503, "the model is still loading")
         return self.app.engine
 
+    def _page(self) -> None:
+        with open(PAGE, encoding="utf-8") as f:
+            self._send(200, f.read(), "text/html; charset=utf-8")
+
+    def _steps(self) -> None:
+        """The engine's step events as server-sent events (events.py), from the oldest still kept; a
+        watcher that falls behind gets {"missed": n} and goes on from the oldest kept. While nothing
+        happens, a comment every second finds a watcher that left."""
+        self._engine()
+        events = self.app.steps
+        with events.cond:
+            events.watchers += 1
+        try:
+            self._open_stream()
+            last = 0
+            while not (self.app.dead or self.app.stopped):
+                texts, last, missed = events.read(last, 1.0)
+                if missed:
+                    self._event({"missed": missed})
+                for text in texts:
+                    self._event(text)
+                if not texts:
+                    self._chunk(b": idle\n\n")
+        finally:
+            with events.cond:
+                events.watchers -= 1
+
+    def _open_stream(self) -> None:
+        self.send_response(200)
+        for header in [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                       ("Transfer-Encoding", "chunked")]:
+            self.send_header(*header)
+        self.end_headers()
+
     def _health(self) -> None:
         self._engine()
         self._send(200, {"status": "ok"})
@@ -468,7 +553,9 @@ class Handler(BaseHTTPRequestHandler):
         lines += ["# HELP laneserve:engine_alive 0 once the engine thread has died (see /health).",
                   "# TYPE laneserve:engine_alive gauge", f"laneserve:engine_alive{{{label}}} {int(not app.dead)}"]
         for name, hist, text in [("time_to_first_token_seconds", app.ttft, "Time to first token."),
-                                 ("inter_token_latency_seconds", app.itl, "Time between tokens.")]:
+                                 ("inter_token_latency_seconds", app.itl, "Time between tokens."),
+                                 ("request_queue_time_seconds", app.queue_time, "Time waiting for a first step."),
+                                 ("e2e_request_latency_seconds", app.e2e, "Time from arrival to the last token.")]:
             lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         self._send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4; charset=utf-8")
 
@@ -517,11 +604,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def _event(self, obj: dict | str) -> None:
         """One server-sent event, as one chunk of the chunked body."""
-        data = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+        self._chunk(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
+
+    def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
     def _generate(self, raw: bytes, chat: bool) -> None:
         engine, body = self._engine(), _json_object(raw)
+        if unknown := sorted(k for k, v in body.items() if v is not None and k not in FIELDS[self.route]):
+            raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0], "unsupported_field")
+        if (kind := _get(body, "response_format", dict, {}).get("type", "text")) != "text":
+            raise ApiError(400, f"response_format {kind!r} is not supported, only 'text'", "response_format")
+        echo = _get(body, "echo", bool, False)
+        if echo and body.get("logprobs") is not None:
+            raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
         model = _get(body, "model", str, self.app.model_names[0])
         if model not in self.app.model_names:
             raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -531,6 +627,7 @@ class Handler(BaseHTTPRequestHandler):
         stream = _get(body, "stream", bool, False)
         usage_chunk = stream and _get(_get(body, "stream_options", dict, {}), "include_usage", bool, False)
         prompts = [_chat_prompt(body, engine)] if chat else _completion_prompts(body, engine)
+        echoed = [engine.tokenizer.decode(ids) if echo else "" for ids in prompts]
         job = Submit([(uuid.uuid4().hex, ids, _sampling_params(body, chat, len(ids), engine, i))
                       for ids in prompts for i in range(n)], queue.Queue())
         index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}
@@ -549,31 +646,35 @@ class Handler(BaseHTTPRequestHandler):
             if (refusal := self._next(job.replies, deadline)) is not None:
                 raise refusal
             if stream:
-                self.send_response(200)
-                for header in [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                               ("Transfer-Encoding", "chunked")]:
-                    self.send_header(*header)
-                self.end_headers()
+                self._open_stream()
                 streaming = True
             while not all(o and o[-1].finished for o in outputs):
                 out = self._next(job.replies, deadline)
                 i, before = index[out.request_id], outputs[index[out.request_id]]
                 lps = [out.logprob] if out.logprob is not None else []
+                if not any(outputs):
+                    self.log_info["ttft"] = time.monotonic() - job.submitted
                 if stream and chat and not before:  # OpenAI opens each choice with its role
                     self._event(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
+                if stream and echo and not before:
+                    self._event(chunk([_choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
-                    offset = len(before[-1].text) if before else 0
+                    offset = len(before[-1].text) if before else 0  # echo is refused with logprobs
                     self._event(chunk([_choice(engine, chat, True, i, out.delta, lps, out.finish_reason, offset)]))
                 before.append(out)
             prompt, completion = sum(map(len, prompts)), sum(len(o[-1].token_ids) for o in outputs)
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            cached = sum(o[-1].num_cached_tokens for o in outputs[::n])  # the first choice of each prompt
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+            self.log_info.update(prompt=prompt, output=completion)
             if usage_chunk:
                 self._event({**head, "choices": [], "usage": usage})
             elif not stream:
                 self._send(200, {**head, "usage": usage, "choices": [
-                    _choice(engine, chat, False, i, o[-1].text, [x.logprob for x in o if x.logprob is not None],
-                            o[-1].finish_reason) for i, o in enumerate(outputs)]})
+                    _choice(engine, chat, False, i, echoed[i // n] + o[-1].text,
+                            [x.logprob for x in o if x.logprob is not None], o[-1].finish_reason)
+                    for i, o in enumerate(outputs)]})
         except ApiError as e:
             if not streaming:
                 raise
@@ -584,6 +685,20 @@ class Handler(BaseHTTPRequestHandler):
         if streaming:
             self._event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
+
+
+def _openapi() -> dict:
+    """An OpenAPI description of the routes and of the request fields the server takes (FIELDS)."""
+    ok = {"200": {"description": "OK"}, "400": {"description": "Bad request, OpenAI's error JSON"}}
+
+    def post(path: str) -> dict:
+        schema = {"type": "object", "required": REQUIRED.get(path, []),
+                  "properties": {k: {"type": t} for k, t in FIELDS[path].items()}}
+        return {"post": {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                         "responses": ok}}
+    return {"openapi": "3.1.0", "info": {"title": "laneserve", "version": _version()},
+            "paths": {**{path: post(path) for path in FIELDS},
+                      **{path: {"get": {"responses": ok}} for path in ("/health", "/metrics", "/version", "/v1/models")}}}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -605,6 +720,7 @@ def _parser() -> ArgumentParser:
       "KV is freed (default: no limit)")
     a("--served-model-name", help="the model's name in the API: /v1/models, responses, and the one requests "
       "may name (default: --model and the checkpoint's file name)")
+    a("--disable-log-requests", action="store_true", help="no access-log line per request on stderr")
     add_cli_args(p)
     return p
 
@@ -620,7 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     server = Server(config, args.host, args.port, args.api_key, args.max_queue,
-                    served_model_name=args.served_model_name, request_timeout=args.request_timeout)
+                    served_model_name=args.served_model_name, request_timeout=args.request_timeout,
+                    log_requests=not args.disable_log_requests)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

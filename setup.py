@@ -21,10 +21,10 @@ setup(
     description="A minimalist LLM inference engine: continuous batching, paged KV, chunked prefill",
     python_requires=">=3.10",
     py_modules=["config", "sequence", "kv_cache", "scheduler", "model", "cpu", "runner", "engine", "weights",
-                "tokenizer", "serve", "bench", "bench_kernel", "bench_plot"],
+                "tokenizer", "events", "serve", "bench", "bench_kernel", "bench_plot"],
     packages=["attention_cuda"],
     package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"]},
     install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2"],
-    extras_require={"test": ["pytest", "transformers", "accelerate", "openai"]},
+    extras_require={"test": ["pytest", "transformers", "accelerate", "openai", "hypothesis", "selenium"]},
     **cuda_build(),
 )

@@ -197,3 +197,73 @@ def test_int4_is_the_same_model(smollm2_4_layers):
     assert max(abs(a - b) for (_, a), (_, b) in zip(*logits)) < 1e-3
     with pytest.raises(ValueError, match="CPU only"):
         LLM(quantization="int4", device="cuda")
+
+
+def test_one_failing_sequence_fails_alone(tiny, monkeypatch):
+    """NaN logits (greedy and sampled) and a detokenizer that raises each end their own request with an
+    error; the requests beside them produce the tokens and logprobs of a run without them, bit for bit."""
+    import runner
+    llm = LLM(model=tiny, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=64)
+    good = {f"ok{i}": ([7 + i, 50, 9 * i + 1], SamplingParams(temperature=i % 2, seed=i, max_tokens=8,
+                                                                ignore_eos=True, logprobs=2)) for i in range(6)}
+    bad = {"nan-greedy": ([5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+           "nan-sampled": ([5, 6], SamplingParams(temperature=1, max_tokens=8, ignore_eos=True, top_p=0.5)),
+           "detok": ([5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))}
+
+    def run(requests: dict) -> dict:
+        for rid, (ids, params) in requests.items():
+            llm.add_request(ids, params, rid)
+        if "detok" in requests:
+            def broken(token_id: int) -> str:
+                raise UnicodeError("injected")
+            llm.requests["detok"].detokenizer.feed = broken
+        got: dict = {}
+        while llm.has_unfinished():
+            for o in llm.step():
+                got.setdefault(o.request_id, []).append((o.token_ids[-1:], o.logprob, o.finish_reason, o.error))
+        return got
+    expected = run(good)
+
+    sample = runner.sample
+
+    def poisoned(logits: torch.Tensor, seqs: list[Sequence]):
+        for i, seq in enumerate(seqs):
+            if seq.request_id.startswith("nan") and len(seq.output_token_ids) == 2:
+                logits[i] = float("nan")
+        return sample(logits, seqs)
+    monkeypatch.setattr(runner, "sample", poisoned)
+    got = run({**good, **bad})
+    assert {rid: got[rid] for rid in good} == expected
+    for rid, steps in [("nan-greedy", 3), ("nan-sampled", 3), ("detok", 1)]:
+        assert len(got[rid]) == steps and got[rid][-1][2] == "error"
+        assert ("NaN" if rid.startswith("nan") else "injected") in got[rid][-1][3]
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_min_tokens_logit_bias_and_special_tokens(tiny):
+    llm = LLM(model=tiny, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=64)
+    start, eos = llm.tokenizer.special["<|im_start|>"], llm.tokenizer.eos_id
+    forced = SamplingParams(temperature=0, max_tokens=3, logit_bias={start: 100})
+    assert llm.generate([[1, 2, 3]], forced)[0].token_ids == [start] * 3
+    out = llm.generate([[1, 2, 3]] * 2, [forced, SamplingParams(temperature=0, max_tokens=3, logit_bias={start: 100},
+                                                            skip_special_tokens=False)])
+    assert out[0].text == "" and out[1].text == "<|im_start|>" * 3
+    # EOS made the likeliest token: banned for the first 3 tokens, then it ends the request.
+    out = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={eos: 100}))[0]
+    assert len(out.token_ids) == 4 and eos not in out.token_ids[:3] and out.finish_reason == "stop"
+    out = llm.generate([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=10, min_tokens=5, seed=1,
+                                                 stop_token_ids=[start], logit_bias={start: 100}))[0]
+    assert out.token_ids[5] == start and start not in out.token_ids[:5] and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.add_request([1], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_repetition_penalty_is_vllms():
+    """A seen token's logit divided by the penalty when positive, multiplied when not; others untouched."""
+    from runner import _process
+    seq = Sequence("r", [0, 1], SamplingParams(repetition_penalty=2.0))
+    seq.token_ids.append(3)
+    got = _process(torch.tensor([2.0, -1.0, 3.0, 0.5]), seq)
+    assert got.tolist() == [1.0, -2.0, 3.0, 0.25]

@@ -45,8 +45,8 @@ def test_graph_replay_samples_the_right_rows(tiny):
     eager = r.run(scheduled)
     r.graphs = EveryRow()
     replayed = r.run(scheduled)
-    assert [s.request_id for s, _, _ in replayed] == ["a", "c"]
-    assert [(s, t, lp.logprob) for s, t, lp in replayed] == [(s, t, lp.logprob) for s, t, lp in eager]
+    assert [s.request_id for s, _, _, _ in replayed] == ["a", "c"]
+    assert [(s, t, lp.logprob) for s, t, lp, _ in replayed] == [(s, t, lp.logprob) for s, t, lp, _ in eager]
 
 
 def test_one_host_sync_per_step(tiny, monkeypatch):

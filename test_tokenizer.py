@@ -222,8 +222,8 @@ def test_meta_builtin_llama3_template(meta):
     assert ids[:2] == [128000, 128006] and ids.count(128000) == 1 and 128009 in ids
 
 
-def stream(tokenizer, ids, stop=None):
-    detok = IncrementalDetokenizer(tokenizer, stop)
+def stream(tokenizer, ids, stop=None, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tokenizer, stop, skip_special_tokens)
     pieces = [detok.feed(i) for i in ids]
     return detok, pieces
 
@@ -240,8 +240,10 @@ def test_detokenizer_streams_whole_characters(tok):
 
 def test_detokenizer_matches_decode_on_invalid_utf8_and_specials(tok):
     ids = [28120, 218, 218, 905, 2, 1, 216]  # lone continuation bytes, specials, a cut-off lead byte
-    detok, pieces = stream(tok, ids, stop=["never"])
-    assert "".join(pieces) + detok.flush() == tok.decode(ids)
+    for skip in (False, True):
+        detok, pieces = stream(tok, ids, ["never"], skip)
+        assert "".join(pieces) + detok.flush() == tok.decode(ids, skip_special_tokens=skip)
+    assert "<|im_start|>" in tok.decode(ids) and "<|im_start|>" not in tok.decode(ids, skip_special_tokens=True)
 
 
 def test_detokenizer_stop_string_across_tokens(tok):

@@ -1,6 +1,7 @@
 """Text <-> token ids: byte-level BPE run by tiktoken, chat templates, and streaming detokenization."""
 import base64
 import codecs
+import copy
 import json
 import os
 import re
@@ -80,7 +81,7 @@ class Tokenizer:
         for text, i in special.items():
             self._pieces[i] = _token_bytes(text)
         self.special = special
-        self._control = control
+        self.control = control
         self.vocab_size = len(self._pieces)
         if eos_id is None:
             eos_id = next((special[t] for t in END_OF_TURN if t in special), None)
@@ -138,7 +139,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if skip_special_tokens:
-            ids = [i for i in ids if i not in self._control]
+            ids = [i for i in ids if i not in self.control]
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     @cached_property
@@ -150,6 +151,20 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
+
+    def with_chat_template(self, path: str) -> "Tokenizer":
+        """A copy that renders chats with the Jinja template in the file at path."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            env = ImmutableSandboxedEnvironment()
+            env.parse(text)  # a syntax error shows now, not at the first chat
+        except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
+            raise ValueError(f"chat template {path}: {e}") from None
+        tok = copy.copy(self)
+        tok.__dict__.pop("_template", None)  # compiled lazily from chat_template
+        tok.chat_template = text
+        return tok
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
@@ -317,8 +332,9 @@ class IncrementalDetokenizer:
     """Token ids in, text out as soon as it is final: whole UTF-8 characters only, and never a tail
     that could still turn out to begin a stop string (that text must not reach the client)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skipped = tokenizer.control if skip_special_tokens else set()
         self.stop = [s for s in stop or [] if s]
         self.stopped = False
         self.text = ""
@@ -327,7 +343,7 @@ class IncrementalDetokenizer:
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
 
     def feed(self, token_id: int) -> str:
-        if self.stopped:
+        if self.stopped or token_id in self.skipped:
             return ""
         self._held += self._utf8.decode(self.tokenizer.decode_bytes([token_id]))
         # Released text never holds a stop string's start, so a stop string can only begin in the held text.

@@ -1,0 +1,170 @@
+"""The live page at / and the step events it draws from (/v1/engine/steps): the events' format, bounded
+memory under a watcher that never reads, auth; then the page itself in headless Chromium (Debian's
+chromium and chromium-driver, driven by selenium) against a real server: no console error, a chat that
+streams and stops, 8 concurrent requests filling the lanes panel and reusing a freed slot, the KV panel
+all free afterwards, and a screenshot."""
+import http.client
+import json
+import os
+import shutil
+import socket
+import time
+
+import pytest
+
+import weights
+from config import EngineConfig
+from model import ModelConfig
+from serve import Server
+from test_serve import request, wait_metrics
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Random weights in a tiny model, 4 slots: 8 requests make lanes wait for a slot and reuse it."""
+    config = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(weights.PRESETS, "tiny", config)
+        s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=128, device="cpu", max_num_seqs=4,
+                                enable_prefix_caching=True, max_model_len=2048), port=0, log_requests=False)
+        s.start()
+        assert s.wait_ready(120)
+        yield s
+        s.stop()
+
+
+def step_events(server, headers: dict | None = None):
+    """The step stream's events, parsed, as they come; connected (and counted as a watcher) on return."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("GET", "/v1/engine/steps", headers=headers or {})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+    return (json.loads(line[6:]) for line in r if line.startswith(b"data: "))
+
+
+def test_step_events_format(server):
+    events = step_events(server)
+    body = {"model": "tiny", "prompt": [5] * 40, "max_tokens": 3, "ignore_eos": True}
+    assert request(server, "POST", "/v1/completions", body)[0] == 200
+    seen = []
+    for e in events:
+        seen.append(e)
+        if any(lane.get("finished") for lane in e["lanes"]):
+            break
+    assert {"step", "ms", "budget", "batch_tokens", "max_num_seqs", "lanes", "preempted", "running", "waiting",
+            "swapped", "preemptions", "generated", "kv"} <= set(seen[0])
+    lanes = [lane for e in seen for lane in e["lanes"]]
+    assert [lane["kind"] for lane in lanes] == ["prefill", "decode", "decode"]
+    assert [lane["kv"] for lane in lanes] == [40, 41, 42] and lanes[-1]["finished"] == "length"
+    assert len(lanes[0]["blocks"]) == 3 and lanes[-1]["blocks"] == []  # 40 tokens in blocks of 16; freed
+    assert seen[-1]["kv"]["free"] == seen[-1]["kv"]["blocks"] and seen[-1]["kv"]["cached"] == 2
+    assert not any("text" in json.dumps(e) or "prompt" in e for e in seen)  # shapes, never content
+    # The same 40 tokens again: the two full blocks come from the prefix cache.
+    assert request(server, "POST", "/v1/completions", body)[0] == 200
+    first = next(lane for e in events for lane in e["lanes"])
+    assert first["hit"] == 32 and first["tokens"] == 8
+
+
+def test_a_watcher_that_never_reads_costs_bounded_memory_and_no_step(server):
+    sock = socket.create_connection((server.host, server.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(b"GET /v1/engine/steps HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        deadline = time.monotonic() + 5
+        while server.steps.watchers == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        began = time.monotonic()
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 700, "ignore_eos": True}
+        assert request(server, "POST", "/v1/completions", body)[0] == 200  # 700 steps, each an event
+        assert time.monotonic() - began < 60
+        assert len(server.steps.ring) == server.steps.ring.maxlen == 512
+    finally:
+        sock.close()
+
+
+def test_step_events_need_the_api_key():
+    config = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(weights.PRESETS, "tiny", config)
+        s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
+                   api_key="sesame", log_requests=False)
+        s.start()
+        try:
+            assert s.wait_ready(120)
+            assert request(s, "GET", "/v1/engine/steps")[0] == 401
+            status, page = request(s, "GET", "/")  # the page is public; it asks for the key
+            assert status == 200 and b"This server needs an API key" in page
+            events = step_events(s, {"Authorization": "Bearer sesame"})
+            ok = {"model": "tiny", "prompt": [1, 2], "max_tokens": 1}
+            assert request(s, "POST", "/v1/completions", ok, {"Authorization": "Bearer sesame"})[0] == 200
+            assert next(events)["lanes"][0]["kind"] == "prefill"
+        finally:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        if os.environ.get("LANESERVE_REQUIRE_BROWSER"):
+            pytest.fail("Chromium and chromedriver are required here (LANESERVE_REQUIRE_BROWSER)")
+        pytest.skip("no chromium/chromedriver on this machine (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def wait(driver, condition, timeout: float = 60):
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d))
+
+
+def attr(driver, element_id: str, name: str) -> int:
+    return int(driver.find_element("id", element_id).get_attribute(f"data-{name}"))
+
+
+def test_page_in_a_real_browser(server, browser, tmp_path):
+    d = browser
+    d.get(server.url + "/")
+    wait(d, lambda d: d.find_element("id", "model").text == "tiny")
+    # A chat streams into the page, with its TTFT and tok/s once done.
+    d.find_element("id", "max-tokens").clear()
+    d.find_element("id", "max-tokens").send_keys("24")
+    d.find_element("id", "prompt").send_keys("Hello there")
+    d.find_element("id", "send").click()
+    reply = wait(d, lambda d: d.find_elements("css selector", ".msg.assistant .meta"))[0]
+    assert "TTFT" in reply.text and "tok/s" in reply.text
+    assert d.find_element("css selector", ".msg.assistant").text.strip() != reply.text
+    # Stop: a long reply aborted mid-stream frees its lane at once.
+    d.find_element("id", "max-tokens").clear()
+    d.find_element("id", "max-tokens").send_keys("1900")
+    d.find_element("id", "prompt").send_keys("Go on")
+    d.find_element("id", "send").click()
+    wait(d, lambda d: len(d.find_elements("css selector", ".msg.assistant")[-1].text) > 20)
+    d.find_element("id", "stop").click()
+    wait(d, lambda d: "stopped" in d.find_elements("css selector", ".msg.assistant .meta")[-1].text)
+    m = wait_metrics(server, lambda m: m["num_requests_running"] == 0, timeout=5)
+    assert m["num_requests_running"] == 0 and m["kv_cache_usage_perc"] == 0
+    # 8 concurrent chats on 4 slots: at least 8 lanes drawn, a freed slot taken by a new lane.
+    before = attr(d, "lane-stats", "lanes")
+    d.find_element("id", "fire").click()
+    wait(d, lambda d: attr(d, "lane-stats", "lanes") >= before + 8 and attr(d, "lane-stats", "reused") >= 1)
+    d.save_screenshot(str(tmp_path / "page.png"))
+    wait(d, lambda d: "8 of 8 done" in d.find_element("id", "load-status").text)
+    wait(d, lambda d: attr(d, "kv-stats", "used") == 0, timeout=10)
+    assert os.path.getsize(tmp_path / "page.png") > 10_000
+    print(f"screenshot: {tmp_path / 'page.png'}")
+    rows = d.find_elements("css selector", "#lanes tbody tr")
+    assert 0 < len(rows) <= 300
+    errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
