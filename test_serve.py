@@ -558,6 +558,11 @@ def test_echo_stop_token_ids_and_cached_tokens(tiny_server, tiny_client):
     stop = tiny_client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, temperature=0,
                                           logit_bias={"300": 100}, extra_body={"stop_token_ids": [300]})
     assert stop.choices[0].finish_reason == "stop" and stop.usage.completion_tokens == 1
+    # <|im_start|> (id 257 here) made certain: no text by default, its text when asked.
+    texts = [tiny_client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, logit_bias={"257": 100},
+                                                 extra_body=extra).choices[0].message.content
+             for extra in ({}, {"skip_special_tokens": False})]
+    assert texts == ["", "<|im_start|><|im_start|>"]
     system = [{"role": "system", "content": "You answer in one word. " * 8}]
     usage = [tiny_client.chat.completions.create(model="tiny", messages=system + [{"role": "user", "content": q}],
                                                  max_tokens=2).usage for q in ("Why?", "How?")]
@@ -697,5 +702,6 @@ def test_fuzz_the_api_from_its_openapi_description(tiny_server):
         if status >= 400:
             assert json.loads(raw)["error"]["message"]
     case()
+    print("fuzz statuses:", {s: seen.count(s) for s in sorted(set(seen))})
     assert len(seen) >= 2000 and seen.count(200) >= 100, {s: seen.count(s) for s in set(seen)}
     assert request(tiny_server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
