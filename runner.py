@@ -234,8 +234,10 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
     if p.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        # Drop a token once the mass before it already reaches top_p; the first always stays.
+        # Drop a token once the mass before it already reaches top_p; the first always stays (a top_p
+        # that rounds to 0 in float32 would drop it too).
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        drop[0] = False
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
     return torch.multinomial(probs, 1, generator=generator)[0]
 

@@ -260,6 +260,13 @@ def test_min_tokens_logit_bias_and_special_tokens(tiny):
         SamplingParams(max_tokens=2, min_tokens=3)
 
 
+def test_a_top_p_below_float32_keeps_the_likeliest_token(tiny):
+    llm = LLM(model=tiny, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=16)
+    greedy, tiny_p = (llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True, **k))[0]
+                      for k in (dict(temperature=0), dict(temperature=1, top_p=1.7e-289, seed=1)))
+    assert tiny_p.finish_reason == "length" and tiny_p.token_ids == greedy.token_ids
+
+
 def test_repetition_penalty_is_vllms():
     """A seen token's logit divided by the penalty when positive, multiplied when not; others untouched."""
     from runner import _process
