@@ -65,7 +65,7 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
         [lane(seq, 0) for seq in s.running if id(seq) not in scheduled]
     cached = [b for b in bm.free_blocks if bm.block_hash[b] is not None]
     return {"step": number, "ms": round(seconds * 1000, 2), "budget": engine.config.max_num_batched_tokens,
-            "batch_tokens": sum(scheduled.values()), "max_num_seqs": engine.config.max_num_seqs, "lanes": lanes,
+            "batch_tokens": sum(scheduled.values()), "lanes": lanes,
             "preempted": [{"id": seq.request_id, "mode": "swap" if seq.status is Status.SWAPPED else "recompute"}
                           for seq in out.preempted],
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),

@@ -160,14 +160,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> chosen, top ids, top values
     errors: list[str | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if not (p.temperature or p.logprobs is not None or _processes(seq)):
+        p, processed = seq.params, _processes(seq)
+        if not (p.temperature or p.logprobs is not None or processed):
             continue
         try:
-            logit = _process(logits[i].float(), seq)
+            logit = _process(logits[i].float(), seq) if processed else logits[i].float()
             if p.temperature:
                 tokens[i] = _draw(logit / p.temperature, p, seq.generator)
-            elif _processes(seq):
+            elif processed:
                 tokens[i] = logit.argmax()
             if p.logprobs is not None:
                 # Reported from the model's distribution (after penalties, before temperature), as vLLM does.

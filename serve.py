@@ -278,13 +278,16 @@ def _version() -> str:
         return "unknown"
 
 
-def _json_object(raw: bytes) -> dict:
+def _json_object(raw: bytes, route: str) -> dict:
+    """A POST body: a JSON object whose fields are all among FIELDS[route] (null counts as absent)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON, invalid UTF-8, hostile nesting
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    if unknown := sorted(k for k, v in body.items() if v is not None and k not in FIELDS[route]):
+        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0], "unsupported_field")
     return body
 
 
@@ -517,6 +520,7 @@ class Handler(BaseHTTPRequestHandler):
                     self._event(text)
                 if not texts:
                     self._chunk(b": idle\n\n")
+            self.wfile.write(b"0\r\n\r\n")  # the server is stopping: end the chunked body
         finally:
             with events.cond:
                 events.watchers -= 1
@@ -564,7 +568,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _tokenize(self, raw: bytes) -> None:
         """vLLM's /tokenize: a completion's prompt or a chat's messages, as the engine would see them."""
-        engine, body = self._engine(), _json_object(raw)
+        engine, body = self._engine(), _json_object(raw, self.route)
         if "messages" in body:
             ids = _chat_prompt(body, engine, _get(body, "add_generation_prompt", bool, True))
         else:
@@ -575,7 +579,7 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
     def _detokenize(self, raw: bytes) -> None:
-        engine, body = self._engine(), _json_object(raw)
+        engine, body = self._engine(), _json_object(raw, self.route)
         ids, vocab = body.get("tokens"), engine.model_config.vocab_size
         if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)):
             raise ApiError(400, f"'tokens' must be an array of token ids in [0, {vocab})", "tokens")
@@ -613,9 +617,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
     def _generate(self, raw: bytes, chat: bool) -> None:
-        engine, body = self._engine(), _json_object(raw)
-        if unknown := sorted(k for k, v in body.items() if v is not None and k not in FIELDS[self.route]):
-            raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0], "unsupported_field")
+        engine, body = self._engine(), _json_object(raw, self.route)
         if (kind := _get(body, "response_format", dict, {}).get("type", "text")) != "text":
             raise ApiError(400, f"response_format {kind!r} is not supported, only 'text'", "response_format")
         echo = _get(body, "echo", bool, False)

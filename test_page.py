@@ -54,7 +54,7 @@ def test_step_events_format(server):
         seen.append(e)
         if any(lane.get("finished") for lane in e["lanes"]):
             break
-    assert {"step", "ms", "budget", "batch_tokens", "max_num_seqs", "lanes", "preempted", "running", "waiting",
+    assert {"step", "ms", "budget", "batch_tokens", "lanes", "preempted", "running", "waiting",
             "swapped", "preemptions", "generated", "kv"} <= set(seen[0])
     lanes = [lane for e in seen for lane in e["lanes"]]
     assert [lane["kind"] for lane in lanes] == ["prefill", "decode", "decode"]

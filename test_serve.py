@@ -540,6 +540,8 @@ def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
         status, raw = request(tiny_server, "POST", path, {"model": "tiny", "max_tokens": 2, **body})
         error = json.loads(raw)["error"]
         assert status == 400 and error["param"] == param and param in error["message"], error
+    status, raw = request(tiny_server, "POST", "/tokenize", {"prompt": "x", "add_bos": True})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "add_bos"
     # null means absent, and the fields OpenAI's client sends are all taken
     r = tiny_client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", tools=None,
                                             response_format={"type": "text"}, stream_options=None)
@@ -599,7 +601,9 @@ def test_disable_log_requests_flag():
 
 def test_chat_template_file(tiny, tmp_path):
     path = tmp_path / "t.jinja"
-    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    # {% break %} needs the loop-controls extension of the environment checkpoint templates render in.
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% if loop.last %}{% break %}{% endif %}"
+                    "{% endfor %}")
     s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu",
                             chat_template=str(path)), port=0)
     s.start()

@@ -154,16 +154,14 @@ class Tokenizer:
 
     def with_chat_template(self, path: str) -> "Tokenizer":
         """A copy that renders chats with the Jinja template in the file at path."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            env = ImmutableSandboxedEnvironment()
-            env.parse(text)  # a syntax error shows now, not at the first chat
-        except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
-            raise ValueError(f"chat template {path}: {e}") from None
         tok = copy.copy(self)
         tok.__dict__.pop("_template", None)  # compiled lazily from chat_template
-        tok.chat_template = text
+        try:
+            with open(path, encoding="utf-8") as f:
+                tok.chat_template = f.read()
+            tok._template  # compiled now, in the checkpoint templates' environment: a syntax error shows at load
+        except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
+            raise ValueError(f"chat template {path}: {e}") from None
         return tok
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
