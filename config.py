@@ -42,7 +42,10 @@ class EngineConfig:
     gpu_memory_utilization: float = knob(0.9, "share of GPU memory to use; the KV pool gets what the model leaves")
     enforce_eager: bool = knob(False, "CUDA: run decode steps eagerly, without CUDA graphs")
     chat_template: str | None = knob(None, "a Jinja chat template file to use instead of the checkpoint's", type=str)
-    torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's, one per core)", type=int)
+    torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's, one per core; with tensor "
+                                           "parallelism on CPU, the cores shared among the ranks)", type=int)
+    tensor_parallel_size: int = knob(1, "split the model across this many GPUs (NCCL) or CPU processes (gloo), "
+                                        "Megatron-style; under torchrun, the processes it starts")
     trace: bool = False  # keep a per-step trace of the scheduled sequences (tests, teaching); not a flag
 
     def __post_init__(self):
@@ -63,6 +66,9 @@ class EngineConfig:
              f"unknown device {self.device!r}"),
             (self.seed >= 0, "seed must be >= 0"),
             (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+            (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
+            (self.tensor_parallel_size == 1 or not self.device.startswith("cuda:"), "--device cuda:N names one GPU; "
+             "tensor parallelism uses cuda:0 to cuda:N-1 (choose them with CUDA_VISIBLE_DEVICES)"),
             (self.chat_template is None or os.path.isfile(self.chat_template),
              f"chat_template: no file {self.chat_template}"),
             *((getattr(self, f.name) in (None, *f.metadata["choices"]), f"{f.name} must be one of "

@@ -19,8 +19,8 @@ from model import ModelConfig
 def read_each_checkpoint_once():
     load = functools.cache(weights.load_weights)
 
-    def load_weights(path: str, dtype: torch.dtype = torch.float32):
-        config, state = load(path, dtype)
+    def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0, size: int = 1):
+        config, state = load(path, dtype, rank, size)
         return config, dict(state)
 
     with pytest.MonkeyPatch.context() as patch:

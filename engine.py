@@ -11,6 +11,7 @@ import torch
 import weights
 from config import EngineConfig
 from kv_cache import BlockManager
+from parallel import WorkerFailure
 from runner import ModelRunner, TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status
@@ -114,6 +115,16 @@ class Engine:
         if seq is not None and seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, "abort")
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer run (a tensor-parallel worker died), else None."""
+        return self.runner.tp.failure if self.runner.tp else None
+
+    def close(self) -> None:
+        """End the tensor-parallel workers, if any (also done at exit)."""
+        if self.runner.tp:
+            self.runner.tp.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.held)
 
@@ -121,11 +132,12 @@ class Engine:
         """schedule -> run the model (batch tensors, forward, sample) -> append the tokens. Returns an
         output for every sequence that produced a token this step."""
         began = time.perf_counter()
+        if self.failure:
+            raise WorkerFailure(self.failure)
         out = self.scheduler.schedule()
-        self.runner.kv_cache.swap(out.swap_out, out.swap_in)
+        sampled = self.runner.run(out.scheduled, out.swap_out, out.swap_in)
         if not out.scheduled:
             return []
-        sampled = self.runner.run(out.scheduled)
         for seq, n in out.scheduled:
             if seq.queue_time is None:
                 seq.queue_time = time.monotonic() - seq.arrival_time

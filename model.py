@@ -28,6 +28,35 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
 
+def tp_split(c: ModelConfig, name: str, rank: int, size: int) -> tuple[int, int, int] | None:
+    """The part of weight `name` (HF naming) that rank `rank` of `size` holds, as (dim, start, stop); None:
+    all of it (embedding, norms, LM head). Megatron's split: Q/K/V and gate/up by output rows, o and down by
+    input columns, so a rank owns whole attention heads and MLP columns, and adding the ranks' partial o and
+    down outputs completes a layer. KV heads are split like the query heads while there are at least `size`
+    of them; with fewer, rank r keeps head r * kv // size, the one its query heads read (as vLLM does)."""
+    d, heads, kv = c.head_dim, c.num_attention_heads // size, c.num_key_value_heads
+    if name.endswith(("q_proj.weight", "o_proj.weight")):
+        start, n = rank * heads * d, heads * d
+    elif name.endswith(("k_proj.weight", "v_proj.weight")):
+        start, n = rank * kv // size * d, max(1, kv // size) * d
+    elif name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+        n = c.intermediate_size // size
+        start = rank * n
+    else:
+        return None
+    return int(name.endswith(("o_proj.weight", "down_proj.weight"))), start, start + n
+
+
+def tp_check(c: ModelConfig, size: int) -> None:
+    """ValueError unless the model splits evenly into `size` ranks."""
+    kv = c.num_key_value_heads
+    for what, n, ok in (("attention heads", c.num_attention_heads, c.num_attention_heads % size == 0),
+                        ("KV heads", kv, kv % size == 0 if size <= kv else size % kv == 0),
+                        ("MLP columns", c.intermediate_size, c.intermediate_size % size == 0)):
+        if not ok:
+            raise ValueError(f"tensor_parallel_size {size} does not split the model's {n} {what} evenly")
+
+
 @dataclass
 class BatchMeta:
     """Where each flattened token of one step lives. Sequence i owns token rows
@@ -72,42 +101,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
-    """One decoder layer. Q, K and V share one matmul, as do the MLP's gate and up projections."""
+    """One decoder layer. Q, K and V share one matmul, as do the MLP's gate and up projections. Under tensor
+    parallelism (tp_size ranks) it holds this rank's heads and MLP columns only."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, tp_size: int = 1):
         super().__init__()
-        self.c = c
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.heads, self.kv_heads = c.num_attention_heads // tp_size, max(1, c.num_key_value_heads // tp_size)
+        self.head_dim = d = c.head_dim
+        q, kv, inter = self.heads * d, self.kv_heads * d, c.intermediate_size // tp_size
         # On the meta device the weights cost no memory until the checkpoint's tensors replace them.
         self.attn_norm = nn.RMSNorm(c.hidden_size, c.rms_norm_eps, device="meta")
         self.qkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=False, device="meta")
         self.o = nn.Linear(q, c.hidden_size, bias=False, device="meta")
         self.mlp_norm = nn.RMSNorm(c.hidden_size, c.rms_norm_eps, device="meta")
-        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, device="meta")
-        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, device="meta")
+        self.gate_up = nn.Linear(c.hidden_size, 2 * inter, bias=False, device="meta")
+        self.down = nn.Linear(inter, c.hidden_size, bias=False, device="meta")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, store_kv: Callable, attention: Callable) -> torch.Tensor:
-        """store_kv: attention_cuda's (or its CUDA form); attention: Transformer.attention (or cpu.py's)."""
-        c = self.c
-        n, d, h, kv = x.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
+                k_cache: torch.Tensor, v_cache: torch.Tensor, ops: "Transformer") -> torch.Tensor:
+        """ops: the model, whose store_kv, attention and all_reduce the CPU and tensor-parallel paths replace."""
+        n, d, h, kv = x.shape[0], self.head_dim, self.heads, self.kv_heads
         qkv = self.qkv(self.attn_norm(x)).view(n, -1, d)
         # Q and K heads take the same rotation, so they are rotated together in one pass.
         qk = apply_rope(qkv[:, :h + kv], cos, sin)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(d))
-        x = x + self.o(o.reshape(n, -1))
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = ops.attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(d))
+        x = x + ops.all_reduce(self.o(o.reshape(n, -1)))
         gate, up = self.gate_up(self.mlp_norm(x)).view(n, 2, -1).unbind(1)
-        return x + self.down(F.silu(gate) * up)
+        return x + ops.all_reduce(self.down(F.silu(gate) * up))
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, max_model_len: int, device: torch.device | str = "cpu"):
+    """The decoder. With tp_size > 1 its blocks hold one rank's shard, and all_reduce (set by the runner)
+    adds the ranks' partial outputs; the embedding and LM head stay whole on every rank."""
+
+    def __init__(self, config: ModelConfig, max_model_len: int, device: torch.device | str = "cpu",
+                 tp_size: int = 1):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(config, tp_size) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps, device="meta")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         freqs = torch.outer(torch.arange(max_model_len, device=device).float(), rope_inv_freq(config).to(device))
@@ -120,6 +154,7 @@ class Transformer(nn.Module):
         cuda = torch.device(device).type == "cuda"
         self.store_kv = attention_cuda.cuda_store_kv if cuda else attention_cuda.store_kv
         self.decode = attention_cuda.cuda_paged_attention if cuda else attention_cuda.paged_attention
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                   scale: float) -> torch.Tensor:
@@ -167,5 +202,5 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache, self.store_kv, self.attention)
+            x = layer(x, cos, sin, meta, k_cache, v_cache, self)
         return self.lm_head(self.norm(x[meta.sample_rows]))

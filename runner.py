@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 
 import cpu
+import parallel
 import weights
 from config import EngineConfig
 from kv_cache import KVCache, KVShape, slots
-from model import BatchMeta, Transformer
+from model import BatchMeta, ModelConfig, Transformer
 from sequence import SamplingParams, Sequence
 
 
@@ -22,10 +23,32 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
 
 
+@dataclass
+class StepBatch:
+    """One step's tokens as host lists, sequence after sequence: what `tensors` sends to the device, and what
+    rank 0 of a tensor-parallel model broadcasts to the other ranks."""
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]  # padded with 0 to the longest
+    context_lens: list[int]
+    query_start_loc: list[int]
+    sample_rows: list[int]
+    query_lens: list[int]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """The model on its device. With tensor_parallel_size > 1 this is one rank's shard: rank 0 (the engine's
+    runner) spawns the others, which run `run_worker`; `rank` and `address` are theirs."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, address: str | None = None,
+                 model_config: ModelConfig | None = None):
         self.config = c = config
-        self.device = torch.device(c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+        self.tp = parallel.TensorParallel(c.tensor_parallel_size, device.type, c.torch_threads, rank, address) \
+            if c.tensor_parallel_size > 1 or parallel.launched_by_torchrun() else None
+        self.rank, tp_size = (self.tp.rank, self.tp.size) if self.tp else (0, 1)
+        self.device = self.tp.device if self.tp else device
         on_cpu = self.device.type == "cpu"
         default = torch.float32 if on_cpu and not cpu.has_bf16_units() else torch.bfloat16
         self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
@@ -33,27 +56,56 @@ class ModelRunner:
             raise ValueError("--quantization int4 runs on CPU only (torch's 4-bit CPU matmul)")
         if self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and graph captures use the current device's stream
+        # Rank 0 loads (checking the checkpoint against tp_size) before it spawns anyone, so a bad setting
+        # fails once; spawned ranks, and every rank under torchrun, join first: no rank waits to join.
+        joined_first = self.tp and (self.rank > 0 or parallel.launched_by_torchrun())
+        if joined_first:
+            self.tp.start()
+        try:
+            self._load(model_config, tp_size)
+            if self.tp:
+                if not joined_first:
+                    self.tp.start(spawn=(run_worker, c, self.model_config))
+                self.tp.barrier()  # every rank has loaded; from here on they run in step
+                self.model.all_reduce = self.tp.all_reduce
+            self._allocate_kv()
+        except Exception as e:
+            if not self.tp:
+                raise
+            failure = self.tp.fail(e)  # the other ranks wait on us: end them
+            self.tp.close()
+            if isinstance(e, ValueError):
+                raise
+            raise failure from e
+
+    def _load(self, model_config: ModelConfig | None, tp_size: int) -> None:
+        """The weights (this rank's part of them) into a Transformer on the device."""
+        c = self.config
         if c.dummy_weights:
-            if c.model not in weights.PRESETS:
+            if model_config is None and c.model not in weights.PRESETS:
                 raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
-            self.model_config = weights.PRESETS[c.model]
+            self.model_config = model_config or weights.PRESETS[c.model]
             self.checkpoint_path = None
-            state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device)
+            state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device, self.rank, tp_size)
         else:
             self.checkpoint_path = weights.resolve_checkpoint(c.model, c.model_path)
-            print(f"loading {self.checkpoint_path}", file=sys.stderr)
-            self.model_config, state = weights.load_weights(self.checkpoint_path, self.dtype)
+            if self.rank == 0:
+                print(f"loading {self.checkpoint_path}", file=sys.stderr)
+            self.model_config, state = weights.load_weights(self.checkpoint_path, self.dtype, self.rank, tp_size)
         mc = self.model_config
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
                              f"{mc.max_position_embeddings}")
-        self.model = Transformer(mc, self.max_model_len, self.device)
+        self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         self.model.load_hf_state_dict(state)
-        if on_cpu:
+        if self.device.type == "cpu":
             cpu.optimize(self.model, c.quantization)
 
-        kv = KVShape(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+    def _allocate_kv(self) -> None:
+        """The KV pool: a fixed size, or what the memory knobs leave once the weights are in."""
+        c, mc = self.config, self.model_config
+        kv = KVShape(mc.num_hidden_layers, self.model.layers[0].kv_heads, mc.head_dim)
         per_block = kv.bytes_per_block(c.block_size, self.dtype)
         if c.num_kv_blocks is not None:
             self.num_kv_blocks = c.num_kv_blocks
@@ -63,6 +115,8 @@ class ModelRunner:
             self.num_kv_blocks = kv_cache_bytes(total, free, peak, c.gpu_memory_utilization) // per_block
         else:
             self.num_kv_blocks = int(c.kv_cache_memory * 2**30) // per_block
+        if self.tp:  # one block table serves every rank: each gets the pool the tightest one has room for
+            self.num_kv_blocks = self.tp.smallest(self.num_kv_blocks)
         if self.num_kv_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (one block is {per_block} bytes): raise "
                              "--kv-cache-memory or --gpu-memory-utilization, or set --num-kv-blocks")
@@ -91,7 +145,9 @@ class ModelRunner:
         before = torch.cuda.memory_allocated(dev)
         for step in self._profile_steps():
             ids, pos, meta, sampled = self.prepare(step)
-            sample(self.model(ids, pos, meta, scratch.layers), sampled)
+            logits = self.model(ids, pos, meta, scratch.layers)
+            if self.rank == 0:  # the only rank that samples
+                sample(logits, sampled)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
         del scratch
@@ -100,9 +156,12 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta,
                                                                        list[Sequence]]:
-        """The step's tokens flattened, sequence after sequence (one-token pieces first): input ids,
-        positions, their metadata, and the sequences sampled this step (those whose piece reaches their
-        last token). Built on the host and sent in pinned buffers: no copy waits on the device."""
+        batch, sampled = self.batch(scheduled)
+        return *self.tensors(batch), sampled
+
+    def batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
+        """The step's tokens flattened, sequence after sequence (one-token pieces first), and the sequences
+        sampled this step (those whose piece reaches their last token)."""
         scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
         input_ids, positions, slot_mapping, block_tables, context_lens, starts = [], [], [], [], [], [0]
         sample_rows, sampled = [], []
@@ -119,27 +178,60 @@ class ModelRunner:
                 sampled.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
+        return StepBatch(input_ids, positions, slot_mapping, tables, context_lens, starts, sample_rows,
+                         [n for _, n in scheduled]), sampled
+
+    def tensors(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
+        """Input ids, positions and metadata on the device, sent in pinned buffers: no copy waits on it.
+        Only rank 0 samples, so only its LM head runs."""
+        def send_(data: list, dtype: torch.dtype) -> torch.Tensor:
+            return send(data, dtype, self.device)
         i32, i64 = torch.int32, torch.int64
-        query_lens = [n for _, n in scheduled]
-        meta = BatchMeta(self._send(slot_mapping, i64), self._send(tables, i32), self._send(context_lens, i32),
-                         self._send(starts, i32), self._send(sample_rows, i64), max(query_lens), max(context_lens),
-                         query_lens, context_lens)
-        return self._send(input_ids, i64), self._send(positions, i64), meta, sampled
+        meta = BatchMeta(send_(b.slot_mapping, i64), send_(b.block_tables, i32), send_(b.context_lens, i32),
+                         send_(b.query_start_loc, i32), send_(b.sample_rows if self.rank == 0 else [], i64),
+                         max(b.query_lens), max(b.context_lens), b.query_lens, b.context_lens)
+        return send_(b.input_ids, i64), send_(b.positions, i64), meta
 
-    def _send(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return send(data, dtype, self.device)
+    def run(self, scheduled: list[tuple[Sequence, int]], swap_out: list[tuple[int, int]] = (),
+            swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None]]:
+        """The step's swaps, then one forward pass over the scheduled sequences, writing their new K/V; the
+        next token of each sampled one, or why its sampling failed. Under tensor parallelism every rank does
+        the same with the batch broadcast here; a failure there is fatal (WorkerFailure)."""
+        batch, sampled = self.batch(scheduled) if scheduled else (None, [])
+        try:
+            if self.tp:
+                self.tp.broadcast((swap_out, swap_in, batch))
+            logits = self.execute(swap_out, swap_in, batch)
+        except Exception as e:
+            if self.tp:
+                raise self.tp.fail(e) from e
+            raise
+        return list(zip(sampled, *sample(logits, sampled))) if batch else []
 
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, TokenLogprob | None,
-                                                                         str | None]]:
-        """One forward pass over the scheduled sequences, writing their new K/V; the next token of each
-        sampled one, or why its sampling failed."""
-        ids, pos, meta, sampled = self.prepare(scheduled)
-        if self.graphs and meta.max_query_len == 1 and len(scheduled) <= self.graphs.sizes[-1]:
+    def execute(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                batch: StepBatch | None) -> torch.Tensor | None:
+        """Every rank's part of a step: copy the swapped blocks, then run the forward pass; the sampled rows'
+        logits (none on ranks other than 0)."""
+        self.kv_cache.swap(swap_out, swap_in)
+        if batch is None:
+            return None
+        ids, pos, meta = self.tensors(batch)
+        if self.graphs and meta.max_query_len == 1 and len(ids) <= self.graphs.sizes[-1]:
             # A graph computes every row; a one-token prefill piece that is not its prompt's end samples none.
-            logits = self.graphs.run(ids, pos, meta)[meta.sample_rows]
-        else:
-            logits = self.model(ids, pos, meta, self.kv_cache.layers)
-        return list(zip(sampled, *sample(logits, sampled)))
+            return self.graphs.run(ids, pos, meta)[meta.sample_rows]
+        return self.model(ids, pos, meta, self.kv_cache.layers)
+
+
+def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, rank: int = 0,
+               address: str | None = None) -> None:
+    """A tensor-parallel rank other than 0 (spawned by rank 0, or started by torchrun): load this rank's part,
+    then run each step rank 0 broadcasts until it says stop (None) or goes away."""
+    runner = ModelRunner(config, rank, address, model_config)
+    try:
+        while (step := runner.tp.broadcast(None)) is not None:
+            runner.execute(*step)
+    finally:
+        runner.tp.close()
 
 
 def kv_cache_bytes(total: int, free: int, peak: int, utilization: float) -> int:

@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 from config import EngineConfig, add_cli_args, from_cli_args
 from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
 from events import StepEvents
+from parallel import WorkerFailure, launched_by_torchrun
+from runner import run_worker
 from sequence import require
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")  # the live page at /
@@ -205,12 +207,15 @@ class Server:
         items: list[Submit | list[str] | None] = []  # what the loop has taken from the inbox
         try:
             self._serve(engine, streams, items)
-        except BaseException as e:  # a bug outside a step: say so everywhere instead of hanging
+        except BaseException as e:  # a bug outside a step, or a lost worker: say so everywhere instead of hanging
             traceback.print_exc()
-            self.dead = f"the engine thread died ({type(e).__name__}: {e}); restart the server"
+            self.dead = (str(e) if isinstance(e, WorkerFailure)
+                         else f"the engine thread died ({type(e).__name__}: {e}); restart the server")
             for stream in streams.values():
                 stream.replies.put(ApiError(503, self.dead))
             self._refuse_inbox(items)
+        finally:
+            engine.close()
 
     def _serve(self, engine: Engine, streams: dict[str, Stream], items: list) -> None:
         while True:
@@ -229,6 +234,8 @@ class Server:
                     streams.pop(rid, None)
             try:
                 outputs = engine.step() if engine.has_unfinished() else []
+            except WorkerFailure:  # the model is gone: the server cannot serve again
+                raise
             except Exception:  # fail the requests in flight, keep serving
                 traceback.print_exc()
                 for rid, stream in streams.items():
@@ -491,8 +498,8 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _engine(self) -> Engine:
-        if self.app.dead:
-            raise ApiError(503, self.app.dead)
+        if self.app.dead or (self.app.engine and self.app.engine.failure):
+            raise ApiError(503, self.app.dead or self.app.engine.failure)
         if self.app.engine is None:
             raise ApiError(503, "the model is still loading")
         return self.app.engine
@@ -740,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
                  (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0")])
     except ValueError as e:
         parser.error(str(e))
+    if launched_by_torchrun() and os.environ["RANK"] != "0":  # a worker of a multi-node model: rank 0 serves
+        run_worker(config)
+        return 0
     server = Server(config, args.host, args.port, args.api_key, args.max_queue,
                     served_model_name=args.served_model_name, request_timeout=args.request_timeout,
                     log_requests=not args.disable_log_requests)

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import weights
-from model import ModelConfig
+from model import ModelConfig, tp_split
 from weights import DEFAULT_MODEL, PRESETS, dummy_weights, load_weights, resolve_checkpoint
 
 SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -108,6 +108,15 @@ def assert_same(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor
     for name, tensor in expected.items():
         assert state[name].shape == tensor.shape, name
         torch.testing.assert_close(state[name], tensor, atol=atol, rtol=0, msg=name)
+
+
+def assert_tp_parts(path: str, config: ModelConfig, whole: dict[str, torch.Tensor]) -> None:
+    """Each rank's part of every tensor, read sliced, is that part of the whole: 2 ranks (KV heads split)
+    and 4 (KV heads replicated; o_proj's 16-column parts cut inside 32-column quantization blocks)."""
+    for size in (2, 4):
+        for rank in range(size):
+            part = load_weights(path, torch.float32, rank, size)[1]
+            assert_same(part, {n: weights._cut(t, tp_split(config, n, rank, size)) for n, t in whole.items()})
 
 
 def test_default_gguf_matches_transformers(default_loaded, reference):
@@ -208,6 +217,8 @@ def test_meta_checkpoint_matches_hf(tmp_path, tied, scaled, shards, split_vocab)
     meta_config, meta_state = load_weights(str(meta_dir))
     assert meta_config == hf_config == expected_config(model)
     assert_same(meta_state, hf_state)
+    assert_tp_parts(str(hf_dir), hf_config, hf_state)
+    assert_tp_parts(str(meta_dir), hf_config, hf_state)
 
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -272,6 +283,7 @@ def test_gguf_written_like_llama_cpp(tmp_path, tied, scaled, qtypes):
     assert config == expected_config(model)
     assert_same(state, expected)  # bit-exact against the same quantization round trip, in HF layout
     assert_same(state, expected_state(model), atol=0.02 if qtypes else 0.0)  # and close to the original
+    assert_tp_parts(str(tmp_path / "tiny.gguf"), config, state)
 
 
 def test_unsupported_gguf_type_is_a_clear_error(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from config import DEFAULT_MODEL
-from model import ModelConfig, rope_inv_freq
+from model import ModelConfig, rope_inv_freq, tp_check, tp_split
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -152,18 +152,17 @@ def _smollm2_gguf(looked: list[str]) -> str | None:
     return target
 
 
-def load_weights(path: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and state dict (HF Llama names, rotate-half Q/K rows) of a checkpoint, each tensor cast as it is read."""
+def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
+                 size: int = 1) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and state dict (HF Llama names, rotate-half Q/K rows) of a checkpoint, each tensor cast as it is
+    read; with size > 1, rank `rank`'s part of each (model.tp_split), sliced before the rest is read."""
     found = _checkpoint_at(path)
     if found is None:
         raise FileNotFoundError(f"{path} is not a checkpoint (.gguf, HF safetensors dir or Meta dir)")
-    if found.endswith(".gguf"):
-        config, state = _load_gguf(found, dtype)
-    elif os.path.isfile(os.path.join(found, "config.json")):
-        config, state = _load_hf(found, dtype)
-    else:
-        config, state = _load_meta(found, dtype)
-    expected = weight_shapes(config)
+    load = _load_gguf if found.endswith(".gguf") else _load_hf if os.path.isfile(
+        os.path.join(found, "config.json")) else _load_meta
+    config, state = load(found, dtype, rank, size)
+    expected = weight_shapes(config, size)
     got = {name: tuple(tensor.shape) for name, tensor in state.items()}
     if got != expected:
         wrong = sorted(set(got) ^ set(expected)) or [n for n in expected if got[n] != expected[n]]
@@ -180,7 +179,7 @@ def read_gguf(path: str) -> gguf.GGUFReader:
     return gguf.GGUFReader(path)
 
 
-def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = read_gguf(path)
     # tokenizer.* fields are tokenizer.py's.
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("llama.", "general.architecture"))}
@@ -210,27 +209,44 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=_f32(meta["llama.attention.layer_norm_rms_epsilon"]), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=meta["llama.context_length"], tie_word_embeddings="output.weight" not in tensors)
+    tp_check(config, size)
     state = {}
     for t in tensors.values():
         name = _hf_name(t.name, _GGUF_NAMES, "blk.")
         # llama.cpp's converter permutes HF Q/K rows into the interleaved-pair RoPE layout; undo it like Meta's.
-        state[name] = _rotate_half_layout(name, _gguf_tensor(t, dtype), config)
+        state[name] = _rotate_half_layout(name, _gguf_tensor(t, dtype, tp_split(config, name, rank, size)), config)
     return config, state
 
 
-def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
+def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype, split: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """A tensor dequantized, or only the part `split` names (model.tp_split): rows are cut from the
+    memory-mapped file before dequantizing, and so are columns when the cut falls between quantization
+    blocks; otherwise the tensor is dequantized whole, then cut."""
+    from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
+    shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dimensions fastest-first, numpy slowest-first
+    data, cut = t.data, split
+    if split:
+        data = data.reshape(shape[0], -1)  # one stored row (bytes when quantized) per matrix row
+        block = GGML_QUANT_SIZES[t.tensor_type][0]  # columns per quantization block
+        if split[0] == 0:
+            data, cut, shape[0] = data[split[1]:split[2]], None, split[2] - split[1]
+        elif split[1] % block == 0 and split[2] % block == 0:
+            per = data.shape[1] // (shape[1] // block)  # stored units per block
+            data = data[:, split[1] // block * per:split[2] // block * per]
+            cut, shape[1] = None, split[2] - split[1]
     try:
-        array = dequantize(t.data, t.tensor_type)
+        array = dequantize(data, t.tensor_type).reshape(shape)
     except NotImplementedError:
         raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized "
                          "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants, IQ*)") from None
-    # GGUF lists dimensions fastest-first, numpy slowest-first. torch.tensor copies, which matters for F32:
-    # dequantize returns a read-only view of the memory-mapped file then.
-    return torch.tensor(array.reshape([int(d) for d in reversed(t.shape)]), dtype=dtype)
+    if cut:
+        array = array[:, cut[1]:cut[2]]
+    # torch.tensor copies, which matters for F32: dequantize returns a read-only view of the mapped file then.
+    return torch.tensor(array, dtype=dtype)
 
 
-def _load_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     if cfg.get("model_type", "llama") != "llama":
@@ -241,54 +257,71 @@ def _load_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torc
             files = sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
     else:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    state = {}
+    names = []
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if not name.endswith("rotary_emb.inv_freq"):  # a buffer old exports saved; rebuilt from rope_theta
-                    state[name] = f.get_tensor(name).to(dtype)
-    tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in state
-    if tied:
-        state.pop("lm_head.weight", None)
+            names += f.keys()
+    tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in names
     # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling.
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
         raise ValueError(f"{path}: RoPE type {kind!r} is not supported (plain or Llama 3 scaling only)")
     heads = cfg["num_attention_heads"]
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
         rope_scaling={k: rope[k] for k in _SCALING_KEYS} if kind == "llama3" else None,
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_word_embeddings=tied), state
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_word_embeddings=tied)
+    tp_check(config, size)
+    state = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                # inv_freq: a buffer old exports saved, rebuilt from rope_theta.
+                if not (name.endswith("rotary_emb.inv_freq") or tied and name == "lm_head.weight"):
+                    split = tp_split(config, name, rank, size)
+                    # get_slice reads only the rows or columns asked for.
+                    t = f.get_tensor(name) if split is None else f.get_slice(name)[
+                        (slice(None),) * split[0] + (slice(split[1], split[2]),)]
+                    state[name] = t.to(dtype)
+    return config, state
 
 
-def _load_meta(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_meta(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     with open(os.path.join(path, "params.json")) as f:
         params = json.load(f)
     dim, heads = params["dim"], params["n_heads"]
     # mmap: a shard is paged in tensor by tensor instead of read whole (16 GB for an 8B model).
     shards = [torch.load(file, map_location="cpu", mmap=True, weights_only=True)
               for file in sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))]
-    state = {_hf_name(name, _META_NAMES, "layers."): _merge_shards(name, [s[name] for s in shards], dim).to(dtype)
-             for name in shards[0] if name != "rope.freqs"}  # Llama 2 saved its RoPE table; rebuilt from theta
+    merged = {_hf_name(name, _META_NAMES, "layers."): _merge_shards(name, [s[name] for s in shards], dim)
+              for name in shards[0] if name != "rope.freqs"}  # Llama 2 saved its RoPE table; rebuilt from theta
     scaled = params.get("use_scaled_rope", False)
     # params.json has no scaling parameters, only use_scaled_rope: the factor is 32 for the Llama 3.2 1B/3B text
     # models (dim <= 3072) and 8 for every larger Llama 3.1+ model (as in HF's convert_llama_weights_to_hf.py).
     factor = 32.0 if dim <= 3072 else 8.0
     config = ModelConfig(
-        vocab_size=state["model.embed_tokens.weight"].shape[0], hidden_size=dim,
+        vocab_size=merged["model.embed_tokens.weight"].shape[0], hidden_size=dim,
         # The tensor is the truth; params' multiple_of/ffn_dim_multiplier only re-derive this size.
-        intermediate_size=state["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        intermediate_size=merged["model.layers.0.mlp.gate_proj.weight"].shape[0],
         num_hidden_layers=params["n_layers"], num_attention_heads=heads,
         num_key_value_heads=params.get("n_kv_heads") or heads, head_dim=dim // heads,
         rms_norm_eps=params.get("norm_eps", 1e-5), rope_theta=params.get("rope_theta", 10000.0),
         rope_scaling=_llama3_scaling(factor) if scaled else None, max_position_embeddings=131072 if scaled else 8192,
-        tie_word_embeddings="lm_head.weight" not in state)
-    return config, {name: _rotate_half_layout(name, tensor, config) for name, tensor in state.items()}
+        tie_word_embeddings="lm_head.weight" not in merged)
+    tp_check(config, size)
+    # The cast copies only this rank's part of each mapped tensor.
+    return config, {name: _rotate_half_layout(name, _cut(t, tp_split(config, name, rank, size)).to(dtype), config)
+                    for name, t in merged.items()}
+
+
+def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
+    """The part of t that model.tp_split names, as a view; t itself for None."""
+    return t if split is None else t.narrow(split[0], split[1], split[2] - split[1])
 
 
 def _merge_shards(name: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -315,13 +348,9 @@ def _hf_name(name: str, tables: tuple[dict[str, str], dict[str, str]], layer_pre
 
 def _rotate_half_layout(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Q/K rows from interleaved RoPE pairs (x0, y0, x1, y1, ...) per head to HF's halves (x0, x1, ..., y0, y1, ...)."""
-    if name.endswith("q_proj.weight"):
-        heads = config.num_attention_heads
-    elif name.endswith("k_proj.weight"):
-        heads = config.num_key_value_heads
-    else:
+    if not name.endswith(("q_proj.weight", "k_proj.weight")):
         return w
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(-1, config.head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
 def _f32(x: float) -> float:
@@ -329,8 +358,9 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this config holds, by HF name (lm_head only when untied)."""
+def weight_shapes(config: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config holds, by HF name (lm_head only when untied); with tp_size > 1,
+    the shapes of one rank's parts."""
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
@@ -344,18 +374,23 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
+    return {name: tuple(_cut(torch.empty(shape, device="meta"), tp_split(config, name, 0, tp_size)).shape)
+            for name, shape in shapes.items()}
 
 
 def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
-                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                  device: torch.device | str = "cpu", rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
     """Random weights of the real shapes (for benchmarking), drawn directly in `dtype` so peak memory is the model.
 
     Norm gains are ones and matrices N(0, 0.02) (the usual Llama init), which keeps activations finite through
     every layer; the outputs are meaningless. Drawing on the GPU (`device`) takes a second where the CPU needs about
     a minute for 8B, and skips the host copy; the values then differ from the CPU ones for the same seed.
+    A rank of a tensor-parallel model draws every tensor whole and keeps its part (model.tp_split), so that
+    any tp_size gets the same model.
     """
+    tp_check(config, tp_size)
     generator = torch.Generator(device=device).manual_seed(seed)
     return {name: torch.ones(shape, dtype=dtype, device=device) if len(shape) == 1
-            else torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
+            else _cut(torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator),
+                      tp_split(config, name, rank, tp_size)).clone()
             for name, shape in weight_shapes(config).items()}

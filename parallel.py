@@ -1,0 +1,179 @@
+"""Tensor parallelism on torch.distributed: one model split across processes, Megatron's way (model.py's
+`tp_split` says which rows or columns each rank holds). Rank 0 is the engine: it schedules, samples and
+serves, and each step broadcasts the step's batch; every rank then runs the same forward pass on its own
+heads and MLP columns, and one all-reduce per half-layer adds their partial outputs. One GPU per rank with
+NCCL, or CPU processes with gloo. The engine spawns its workers itself; under torchrun (several machines)
+every process runs the same command, rank 0 serves, and the others call runner.run_worker."""
+from __future__ import annotations
+
+import atexit
+import datetime
+import functools
+import os
+import signal
+import socket
+import threading
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+
+
+# How long a rank waits for the others to join, and then within a step for the others to reach each
+# all-reduce. Waiting for the next step has no limit (the control group's): the server may idle for days.
+STARTUP = datetime.timedelta(minutes=2)
+
+
+class WorkerFailure(RuntimeError):
+    """A rank died or a collective failed: the ranks are out of step, and the model cannot run again."""
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class TensorParallel:
+    """This process's place in the group: rank, size, its device, and the two process groups. The model's
+    all-reduces run on the device's backend (NCCL or gloo); the step broadcasts on a gloo group of their
+    own, on the host, with no timeout: a worker waits for the next step as long as the server idles."""
+
+    def __init__(self, size: int, device_type: str, threads: int | None, rank: int = 0, address: str | None = None):
+        """Checks what can be checked before loading; the group forms in start()."""
+        if launched_by_torchrun():
+            rank, local_rank, local_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes for tensor_parallel_size "
+                                 f"{size}: they must be equal")
+        else:
+            local_rank, local_size = rank, size
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if not (dist.is_available() and dist.is_backend_available(backend)):
+            raise ValueError(f"tensor parallelism on {device_type} needs torch.distributed's {backend} backend, "
+                             "which this torch build lacks")
+        if device_type == "cuda" and local_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} needs {local_size} GPUs on this machine; "
+                             f"{torch.cuda.device_count()} are visible")
+        if dist.is_initialized():
+            raise ValueError("one tensor-parallel engine per process: close the other first")
+        self.rank, self.size, self.address, self.backend = rank, size, address, backend
+        self.device = torch.device(f"cuda:{local_rank}") if device_type == "cuda" else torch.device("cpu")
+        if device_type == "cpu":  # the ranks share this machine's cores
+            torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_size))
+        self.failure: str | None = None
+        self.workers: list[mp.Process] = []
+        self.started = self.closed = False
+
+    def start(self, spawn: tuple = ()) -> None:
+        """Form the group. Rank 0 outside torchrun first spawns ranks 1..size-1, each running
+        spawn[0](*spawn[1:], rank, address). Joining waits at most STARTUP for every rank: a spawned worker
+        joins right after its imports, so a longer wait means it died."""
+        address = self.address
+        if self.rank > 0:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others to stop
+        if launched_by_torchrun():
+            address = "env://"
+        elif self.rank == 0:
+            with socket.socket() as s:  # a free port for the rendezvous
+                s.bind(("127.0.0.1", 0))
+                address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            target, *args = spawn
+            self.workers = [mp.get_context("spawn").Process(target=target, args=(*args, r, address), daemon=True,
+                                                            name=f"tp-rank{r}") for r in range(1, self.size)]
+            for w in self.workers:
+                w.start()
+            threading.Thread(target=self._watch, daemon=True, name="tp-watch").start()
+        else:
+            threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+        self.started = True
+        dist.init_process_group(self.backend, init_method=address, rank=self.rank, world_size=self.size,
+                                timeout=STARTUP, device_id=self.device if self.device.type == "cuda" else None)
+        self.group = dist.group.WORLD
+        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+        atexit.register(self.close)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x, with the same bits whatever the batch: for two ranks the sum is one
+        addition (commutative, so any algorithm gives the same bits); with more, NCCL and gloo choose the order
+        of additions by message size, so the parts are gathered and added in rank order here."""
+        if self.size == 2:
+            dist.all_reduce(x, group=self.group)
+            return x
+        parts = x.new_empty(self.size * x.shape[0], *x.shape[1:])
+        _all_gather(parts, x.contiguous(), group=self.group)
+        return functools.reduce(torch.add, parts.chunk(self.size))
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's value (the KV blocks each rank has room for)."""
+        t = torch.tensor([value])
+        dist.all_reduce(t, dist.ReduceOp.MIN, group=self.control)
+        return int(t)
+
+    def broadcast(self, step: object) -> object:
+        """Rank 0 sends step (any picklable object; None says stop) to every rank; the others get it."""
+        box = [step]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def fail(self, error: BaseException) -> WorkerFailure:
+        """What rank 0 raises once a step failed: the ranks are out of step, so the workers are ended."""
+        if self.failure is None:
+            dead = self._dead(timeout=1.0)  # a dead worker is the likely cause: name it
+            self.failure = dead or f"tensor parallelism failed ({type(error).__name__}: {error})"
+        self._end_workers()
+        return WorkerFailure(self.failure)
+
+    def close(self) -> None:
+        """Rank 0: tell the workers to stop and wait for them (ending any that do not); every rank: leave the
+        group. Called by Engine.close and at exit."""
+        if self.closed or not self.started:
+            self.closed = True
+            return
+        self.closed = True
+        if self.rank == 0 and self.failure is None:
+            try:
+                self.broadcast(None)
+            except RuntimeError:
+                pass  # a worker is already gone: ended below
+        for w in self.workers:
+            w.join(timeout=10)
+        self._end_workers()
+        if dist.is_initialized():  # not if joining failed
+            dist.destroy_process_group()
+        atexit.unregister(self.close)
+
+    def _end_workers(self) -> None:
+        for w in self.workers:
+            if w.is_alive():
+                w.kill()
+            w.join()
+
+    def _watch(self) -> None:
+        """Rank 0: notice a worker's death even while idle (/health then answers 503), and end the others, so
+        that a collective in flight fails at once instead of waiting for the dead rank."""
+        dead = self._dead()
+        if not self.closed:
+            self.failure = self.failure or dead
+            self._end_workers()
+
+    def _dead(self, timeout: float | None = None) -> str | None:
+        """Which worker has exited, waiting up to timeout for one (None: as long as it takes)."""
+        ready = wait([w.sentinel for w in self.workers], timeout)
+        for w in self.workers:
+            if w.sentinel in ready:
+                w.join()  # its pipe closes as it exits: reap it for its exit code
+                return f"tensor-parallel worker {w.name} exited (code {w.exitcode}); restart the server"
+        return None
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A spawned worker outlives no engine: killed with SIGKILL, rank 0 runs no exit handler."""
+    while os.getppid() == parent:
+        threading.Event().wait(1.0)
+    os._exit(1)

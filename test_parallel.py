@@ -1,0 +1,180 @@
+"""Tensor parallelism on CPU with gloo: 2, 3 and 4 processes give TP=1's greedy tokens (float32), under KV
+pressure too; HTTP streaming from a TP=2 server; a killed worker; torchrun's entry point; the errors."""
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import parallel
+import test_lanes
+import weights
+from config import EngineConfig
+from engine import LLM
+from model import ModelConfig
+from sequence import SamplingParams
+from serve import Server
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 47)), list(range(100, 117)), [9] * 70]
+
+
+def shapes(kv_heads: int) -> ModelConfig:
+    return ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=kv_heads, head_dim=16)
+
+
+@pytest.fixture
+def preset(monkeypatch):
+    """Registers a small preset (rank 0 sends its shapes to the workers it spawns)."""
+    def register(kv_heads: int) -> str:
+        monkeypatch.setitem(weights.PRESETS, f"kv{kv_heads}", shapes(kv_heads))
+        return f"kv{kv_heads}"
+    return register
+
+
+def run(prompts: list, params: SamplingParams = GREEDY, **knobs) -> tuple[list[list[int]], int, list[str]]:
+    """Greedy tokens of each prompt, how many preemptions it took, and the texts."""
+    llm = LLM(device="cpu", dtype="float32", **knobs)
+    try:
+        outs = llm.generate(prompts, params)
+        assert all(o.error is None for o in outs)
+        return [o.token_ids for o in outs], llm.scheduler.num_preemptions, [o.text for o in outs]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kv_heads,tp", [(4, 2), (2, 4)])  # KV heads split, then replicated (tp > KV heads)
+def test_tp_gives_tp1_tokens_and_lanes_never_mix(preset, kv_heads, tp):
+    """TP's greedy tokens are TP=1's; and under TP a request's tokens and logprobs are the same bits alone
+    as beside the others (two ranks all-reduce, four gather and add in rank order)."""
+    model = preset(kv_heads)
+    knobs = dict(model=model, dummy_weights=True, num_kv_blocks=64)
+    assert run(PROMPTS, **knobs, tensor_parallel_size=tp)[0] == run(PROMPTS, **knobs)[0]
+    llm = LLM(device="cpu", dtype="float32", **knobs, tensor_parallel_size=tp)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+        requests = [(p, params) for p in PROMPTS]
+        assert test_lanes.run(llm, requests) == test_lanes.alone(llm, requests)
+    finally:
+        llm.close()
+
+
+def test_tp3_gives_tp1_tokens_on_the_default_model():
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    tp1 = run(prompts, num_kv_blocks=128)[0]
+    assert run(prompts, num_kv_blocks=128, tensor_parallel_size=3)[0] == tp1
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tp_under_kv_pressure(preset, mode):
+    model = preset(4)
+    prompts = [list(range(i, i + 30 + 5 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = run(prompts, params, model=model, dummy_weights=True, num_kv_blocks=64)[0]
+    tokens, preemptions, _ = run(prompts, params, model=model, dummy_weights=True, num_kv_blocks=12, block_size=16,
+                                 preemption_mode=mode, swap_space=0.01, tensor_parallel_size=2)
+    assert preemptions > 0 and tokens == alone
+
+
+def request(url: str, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+    host, port = re.match(r"http://([\d.]+):(\d+)", url).groups()
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request(method, path, json.dumps(body) if body else None)
+    r = conn.getresponse()
+    return r.status, r.read()
+
+
+def test_tp2_server_streams_then_a_killed_worker_is_an_error_not_a_hang(preset):
+    model = preset(4)
+    expected = run([[5, 6, 7]], model=model, dummy_weights=True, num_kv_blocks=64)[2][0]
+    s = Server(EngineConfig(model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32",
+                            tensor_parallel_size=2), port=0, log_requests=False)
+    s.start()
+    try:
+        assert s.wait_ready(120)
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        status, raw = request(s.url, "POST", "/v1/completions", body)
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+        assert status == 200 and len(events) == 12  # a chunk per token: random weights' tokens are all printable
+        assert "".join(e["choices"][0]["text"] for e in events) == expected
+        workers = s.engine.runner.tp.workers
+        os.kill(workers[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while request(s.url, "GET", "/health")[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, raw = request(s.url, "GET", "/health")
+        assert status == 503 and "worker tp-rank1 exited" in json.loads(raw)["error"]["message"]
+        assert request(s.url, "POST", "/v1/completions", {**body, "stream": False})[0] == 503
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        s.stop()
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_worker_killed_mid_generation_fails_the_step(preset):
+    model = preset(4)
+    llm = LLM(model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32",
+              tensor_parallel_size=2)
+    try:
+        llm.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.step()
+        os.kill(llm.runner.tp.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(parallel.WorkerFailure, match="tp-rank1 exited"):
+            for _ in range(50):
+                llm.step()
+    finally:
+        llm.close()
+    assert not any(w.is_alive() for w in llm.runner.tp.workers)
+
+
+def test_torchrun_serves_from_rank_0_and_stops_every_rank():
+    """The multi-node entry point, on one machine: torchrun starts 3 copies of serve.py, env:// rendezvous."""
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                          "serve.py", "--dummy-weights", "--tensor-parallel-size", "3", "--port", "0",
+                          "--num-kv-blocks", "64", "--max-model-len", "512"],
+                         cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        for line in p.stderr:
+            if "serving http" in line:
+                break
+        url = re.search(r"http://[\d.]+:\d+", line).group()
+        status, raw = request(url, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C in its terminal (torchrun itself then exits with 1)
+        p.wait(60)
+        assert "laneserve: stopping" in p.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    # Every process torchrun started is gone (they shared its session).
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _session(pid) == p.pid]
+    assert not left
+
+
+def _session(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError):
+        return None
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="does not split the model's 9 attention heads"):
+        LLM(device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="nccl|GPUs"):  # no CUDA build here, or too few GPUs
+        parallel.TensorParallel(torch.cuda.device_count() + 1, "cuda", None)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    assert not torch.distributed.is_initialized()
