@@ -227,6 +227,7 @@ def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, ra
     """A tensor-parallel rank other than 0 (spawned by rank 0, or started by torchrun): load this rank's part,
     then run each step rank 0 broadcasts until it says stop (None) or goes away."""
     runner = ModelRunner(config, rank, address, model_config)
+    weights.read_gguf.cache_clear()  # the parsed header (vocabulary included) is the tokenizer's, on rank 0
     try:
         while (step := runner.tp.broadcast(None)) is not None:
             runner.execute(*step)

@@ -58,9 +58,10 @@ def test_tp_gives_tp1_tokens_and_lanes_never_mix(preset, kv_heads, tp):
     as beside the others (two ranks all-reduce, four gather and add in rank order)."""
     model = preset(kv_heads)
     knobs = dict(model=model, dummy_weights=True, num_kv_blocks=64)
-    assert run(PROMPTS, **knobs, tensor_parallel_size=tp)[0] == run(PROMPTS, **knobs)[0]
+    tp1 = run(PROMPTS, **knobs)[0]
     llm = LLM(device="cpu", dtype="float32", **knobs, tensor_parallel_size=tp)
     try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == tp1
         params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
         requests = [(p, params) for p in PROMPTS]
         assert test_lanes.run(llm, requests) == test_lanes.alone(llm, requests)
@@ -137,12 +138,15 @@ def test_a_worker_killed_mid_generation_fails_the_step(preset):
     assert not any(w.is_alive() for w in llm.runner.tp.workers)
 
 
-def test_torchrun_serves_from_rank_0_and_stops_every_rank():
-    """The multi-node entry point, on one machine: torchrun starts 3 copies of serve.py, env:// rendezvous."""
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                          "serve.py", "--dummy-weights", "--tensor-parallel-size", "3", "--port", "0",
-                          "--num-kv-blocks", "64", "--max-model-len", "512"],
-                         cwd=HERE, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_ctrl_c_stops_every_rank(launcher):
+    """serve.py spawning its 2 workers, or torchrun starting 3 copies of it (the multi-node entry point, on
+    one machine, env:// rendezvous): rank 0 serves; Ctrl-C in the terminal stops every process."""
+    serve = ["serve.py", "--dummy-weights", "--tensor-parallel-size", "3", "--port", "0", "--num-kv-blocks", "64",
+             "--max-model-len", "512"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    p = subprocess.Popen([sys.executable, *(torchrun if launcher == "torchrun" else []), *serve], cwd=HERE,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
         for line in p.stderr:
@@ -151,23 +155,36 @@ def test_torchrun_serves_from_rank_0_and_stops_every_rank():
         url = re.search(r"http://[\d.]+:\d+", line).group()
         status, raw = request(url, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
         assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
-        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C in its terminal (torchrun itself then exits with 1)
-        p.wait(60)
-        assert "laneserve: stopping" in p.stderr.read()
+        os.killpg(p.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to every process of the group
+        code = p.wait(60)
+        err = p.stderr.read()
+        assert "laneserve: stopping" in err
+        if launcher == "spawn":  # torchrun itself answers SIGINT with a traceback and exit status 1
+            assert code == 0 and "Traceback" not in err, err
+        # Every process it started ends (they share its session), within seconds.
+        deadline = time.monotonic() + 10
+        while (left := _session_members(p.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-    # Every process torchrun started is gone (they shared its session).
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _session(pid) == p.pid]
-    assert not left
 
 
-def _session(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[3])
-    except (OSError, IndexError):
-        return None
+def _session_members(session: int) -> list[str]:
+    """Command lines of the live processes (not zombies) in a session."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().replace("\0", " ")
+        except OSError:
+            continue
+        if int(sid) == session and state != "Z":
+            found.append(cmd)
+    return found
 
 
 def test_clear_errors():
