@@ -164,6 +164,8 @@ class TensorParallel:
 
     def _dead(self, timeout: float | None = None) -> str | None:
         """Which worker has exited, waiting up to timeout for one (None: as long as it takes)."""
+        if not self.workers:  # torchrun's ranks, or a worker's own view: nothing to watch
+            return None
         ready = wait([w.sentinel for w in self.workers], timeout)
         for w in self.workers:
             if w.sentinel in ready:
