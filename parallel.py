@@ -86,8 +86,6 @@ class TensorParallel:
             for w in self.workers:
                 w.start()
             threading.Thread(target=self._watch, daemon=True, name="tp-watch").start()
-        else:
-            threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
         self.started = True
         dist.init_process_group(self.backend, init_method=address, rank=self.rank, world_size=self.size,
                                 timeout=STARTUP, device_id=self.device if self.device.type == "cuda" else None)
@@ -173,9 +171,3 @@ class TensorParallel:
                 return f"tensor-parallel worker {w.name} exited (code {w.exitcode}); restart the server"
         return None
 
-
-def _exit_with_parent(parent: int) -> None:
-    """A spawned worker outlives no engine: killed with SIGKILL, rank 0 runs no exit handler."""
-    while os.getppid() == parent:
-        threading.Event().wait(1.0)
-    os._exit(1)

@@ -171,6 +171,35 @@ def test_ctrl_c_stops_every_rank(launcher):
             os.killpg(p.pid, signal.SIGKILL)
 
 
+def test_a_killed_rank_0_leaves_no_worker():
+    """SIGKILL runs no exit handler on rank 0: its workers end because their pending broadcast fails."""
+    script = ("import time, weights, test_parallel\n"
+              "from engine import LLM\n"
+              "weights.PRESETS['kv4'] = test_parallel.shapes(4)\n"
+              "llm = LLM(model='kv4', dummy_weights=True, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
+              "print(llm.runner.tp.workers[0].pid, flush=True)\n"
+              "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True)
+    try:
+        worker = int(p.stdout.readline())
+        p.kill()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{worker}") and _state(worker) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{worker}") or _state(worker) == "Z"
+    finally:
+        p.kill()
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def _session_members(session: int) -> list[str]:
     """Command lines of the live processes (not zombies) in a session."""
     found = []
