@@ -130,7 +130,8 @@ class Int4Linear(nn.Module):
 
 
 class TiledAttention:
-    """Paged attention for every query token of a step, prefill or decode, computed one way, in float32.
+    """Paged attention for every query token of a step, prefill or decode, computed one way: scores and
+    softmax in float32, the weighted values in the cache's dtype (see weighted()).
     A token's keys 0..position are cut into tiles of KEY_TILE keys from key 0. Each matmul is one token's
     queries against one tile (scores, then the weighted values), batched over tokens and tiles; softmax
     takes the max over all of the token's scores, and the per-tile sums of weights and of weighted values
@@ -177,7 +178,7 @@ class TiledAttention:
         if self.decodes:
             blocks, seq, slot, grid, hidden = self.decodes
             k, v = (gather_blocks(c, blocks).view(len(seq), t, kv_heads, dim) for c in (k_cache, v_cache))
-            s = scores(q[seq], k, hidden)  # [kv_heads, pairs, group, tile]
+            s = scores(q[seq], k.float(), hidden)  # [kv_heads, pairs, group, tile]
 
             def spread(x: torch.Tensor, fill: float) -> torch.Tensor:  # pairs -> [.., seqs, tiles, ..], absent: fill
                 full = x.new_full((x.shape[0], grid[0] * grid[1], *x.shape[2:]), fill)
@@ -189,7 +190,7 @@ class TiledAttention:
             k, v = (gather_blocks(c, blocks).view(len(hidden), t, kv_heads, dim) for c in (k_cache, v_cache))
             n = rows.stop - rows.start
             # Every row reads the same tile: a stride-0 batch, not copies.
-            s = torch.stack([scores(q[rows], kj.expand(n, -1, -1, -1), h) for kj, h in zip(k, hidden)])
+            s = torch.stack([scores(q[rows], kj.float().expand(n, -1, -1, -1), h) for kj, h in zip(k, hidden)])
             p = s.sub_(s.amax((0, -1), keepdim=True)).exp_()  # [tiles, kv_heads, n, group, tile]
             total = pairwise(p.sum(-1, keepdim=True), 0)
             out[:, rows] = tree_sum(weighted(pj, vj.expand(n, -1, -1, -1)) for pj, vj in zip(p, v)) / total
@@ -215,11 +216,14 @@ def scores(q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor) -> torch.Tens
 
 
 def weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Weights p [kv_heads, batch, group, tile] times one value tile v [batch, tile, kv_heads, dim]."""
+    """Weights p [kv_heads, batch, group, tile] (float32) times one value tile v [batch, tile, kv_heads, dim]
+    in v's dtype, returned in float32. In bfloat16 the weights are rounded to it first, as HF's eager
+    attention rounds them, and the matmul sums in float32 but rounds its result (README: why)."""
+    p = p.to(v.dtype)
     o = p.new_empty(*p.shape[:3], v.shape[3])
     for h in range(v.shape[2]):
         torch.bmm(p[h], v[:, :, h], out=o[h])
-    return o
+    return o.float()
 
 
 def pairwise(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -257,6 +261,6 @@ def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks `blocks` (int64 ids) in float32, one row each. A block is one contiguous row of the cache,
+    """Blocks `blocks` (int64 ids), one row each. A block is one contiguous row of the cache,
     so the gather is a row index_select: a memcpy per block."""
-    return cache.view(cache.shape[0], -1).index_select(0, blocks).float()
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)

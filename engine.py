@@ -15,7 +15,7 @@ from parallel import WorkerFailure
 from runner import ModelRunner, TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status
-from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer
+from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer, read_chat_template
 
 
 @dataclass
@@ -48,14 +48,16 @@ class Engine:
         self.config = c = config or EngineConfig(**kwargs)
         if c.torch_threads:
             torch.set_num_threads(c.torch_threads)
+        # Read before the weights: a bad template file fails at once, not after minutes of loading.
+        template = read_chat_template(c.chat_template) if c.chat_template else None
         self.runner = r = ModelRunner(c)
         self.device, self.dtype, self.model_config, self.max_model_len = r.device, r.dtype, r.model_config, \
             r.max_model_len
         self.checkpoint_path = r.checkpoint_path
         self.tokenizer = (byte_tokenizer(self.model_config.vocab_size) if c.dummy_weights
                           else load_tokenizer(r.checkpoint_path))
-        if c.chat_template:
-            self.tokenizer = self.tokenizer.with_chat_template(c.chat_template)
+        if template:
+            self.tokenizer = self.tokenizer.with_chat_template(template)
         weights.read_gguf.cache_clear()
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))

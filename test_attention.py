@@ -102,6 +102,10 @@ def test_reference_decode_matches_naive():
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
 
 
+# float32 throughout; in bfloat16 the weights are rounded before the value matmul, as HF's eager attention does.
+CPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-3, rtol=1.2e-2)}
+
+
 def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale):
     """cpu.TiledAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner orders them."""
     lens = [n for _, n in lanes]
@@ -122,14 +126,11 @@ def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype):
     scale = head_dim ** -0.5
     out = cpu_attention(*batch[:4], lanes, scale)
     expected = naive_attention(*[x.double() if x.is_floating_point() else x for x in batch], scale)
-    torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
     # The decode entry point, with the reference's signature.
     ones = 6
     decode = cpu.TiledAttention().decode(batch[0][:ones], *batch[1:3], batch[3][:ones], batch[4][:ones], scale)
-    torch.testing.assert_close(decode.double(), expected[:ones], **TOLERANCE[dtype])
-
-
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+    torch.testing.assert_close(decode.double(), expected[:ones], **CPU_TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

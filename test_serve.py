@@ -3,6 +3,7 @@ strings, logprobs; 64 concurrent streams with disconnects; hostile inputs; conti
 outside; the CLI. One in-process server on loopback serves most tests."""
 import argparse
 import asyncio
+import contextlib
 import http.client
 import importlib
 import importlib.metadata
@@ -508,8 +509,8 @@ def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny_server():
+@contextlib.contextmanager
+def serving_tiny(max_model_len: int):
     """A server on random weights (a two-layer model with SmolLM2's vocabulary and the byte tokenizer), prefix
     caching on: for the API's fields and failure paths, in milliseconds a request."""
     from model import ModelConfig
@@ -518,11 +519,19 @@ def tiny_server():
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(weights.PRESETS, "tiny", config)
         s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=256, device="cpu",
-                                enable_prefix_caching=True, max_model_len=256), port=0)
+                                enable_prefix_caching=True, max_model_len=max_model_len), port=0)
         s.start()
-        assert s.wait_ready(120)
+        try:
+            assert s.wait_ready(120)
+            yield s
+        finally:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    with serving_tiny(256) as s:
         yield s
-        s.stop()
 
 
 @pytest.fixture
@@ -668,12 +677,19 @@ def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypat
     assert m["generation_tokens_total"] - before <= 47 * 12 + 3 + 16 * 8
 
 
-def test_fuzz_the_api_from_its_openapi_description(tiny_server):
+@pytest.fixture
+def short_server():
+    """tiny_server with a 96-token context: a chat that names no max_tokens fills what is left of it."""
+    with serving_tiny(96) as s:
+        yield s
+
+
+def test_fuzz_the_api_from_its_openapi_description(short_server):
     """2,000 requests drawn from /openapi.json's fields, each field's value of its declared type or any JSON
     value: never a 5xx, never a hang, and afterwards a normal request is served and no KV is held."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    spec = json.loads(request(tiny_server, "GET", "/openapi.json")[1])
+    spec = json.loads(request(short_server, "GET", "/openapi.json")[1])
     any_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False)
                             | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
                             | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
@@ -693,7 +709,7 @@ def test_fuzz_the_api_from_its_openapi_description(tiny_server):
         for path, item in spec["paths"].items() if "post" in item
         for schema in [item["post"]["requestBody"]["content"]["application/json"]["schema"]]
         for props, required in [(schema["properties"], schema["required"])]]
-    seen, conn = [], http.client.HTTPConnection(tiny_server.host, tiny_server.port, timeout=60)
+    seen, conn = [], http.client.HTTPConnection(short_server.host, short_server.port, timeout=60)
 
     @settings(max_examples=2000, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
@@ -712,4 +728,6 @@ def test_fuzz_the_api_from_its_openapi_description(tiny_server):
     case()
     print("fuzz statuses:", {s: seen.count(s) for s in sorted(set(seen))})
     assert len(seen) >= 2000 and seen.count(200) >= 100, {s: seen.count(s) for s in set(seen)}
-    assert request(tiny_server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
+    assert request(short_server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
+    m = wait_metrics(short_server, lambda m: m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0)
+    assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0

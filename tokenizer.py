@@ -144,24 +144,13 @@ class Tokenizer:
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        # The environment transformers renders chat templates in, so the same template gives the same text.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+        return compile_chat_template(self.chat_template)
 
-    def with_chat_template(self, path: str) -> "Tokenizer":
-        """A copy that renders chats with the Jinja template in the file at path."""
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """A copy that renders chats with this Jinja template (read_chat_template's)."""
         tok = copy.copy(self)
         tok.__dict__.pop("_template", None)  # compiled lazily from chat_template
-        try:
-            with open(path, encoding="utf-8") as f:
-                tok.chat_template = f.read()
-            tok._template  # compiled now, in the checkpoint templates' environment: a syntax error shows at load
-        except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
-            raise ValueError(f"chat template {path}: {e}") from None
+        tok.chat_template = template
         return tok
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -178,6 +167,27 @@ class Tokenizer:
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+def compile_chat_template(template: str) -> jinja2.Template:
+    """A chat template compiled in the environment transformers renders them in, so that the same
+    template gives the same text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def read_chat_template(path: str) -> str:
+    """The Jinja chat template in the file at path, compiled once to check it (ValueError if it cannot be)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            template = f.read()
+        compile_chat_template(template)
+    except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
+        raise ValueError(f"chat template {path}: {e}") from None
+    return template
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
