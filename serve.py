@@ -32,7 +32,9 @@ from parallel import WorkerFailure, launched_by_torchrun
 from runner import run_worker
 from sequence import require
 
-PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")  # the live page at /
+# The live page at /: beside this file in a checkout, under <prefix>/share/laneserve once pip-installed.
+PAGES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html"),
+         os.path.join(sys.prefix, "share", "laneserve", "page.html"))
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The request fields the server implements, with their JSON types (/openapi.json is built from these).
 # Any other field that is not null is refused with a 400 naming it: never silently ignored.
@@ -505,7 +507,9 @@ class Handler(BaseHTTPRequestHandler):
         return self.app.engine
 
     def _page(self) -> None:
-        with open(PAGE, encoding="utf-8") as f:
+        if (path := next((p for p in PAGES if os.path.isfile(p)), None)) is None:
+            raise ApiError(404, f"page.html is not installed (looked for {' and '.join(PAGES)})")
+        with open(path, encoding="utf-8") as f:
             self._send(200, f.read(), "text/html; charset=utf-8")
 
     def _steps(self) -> None:

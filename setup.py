@@ -1,4 +1,9 @@
+import glob
+
 from setuptools import setup
+
+# Every top-level module but the tests: a new file is packaged without a list to keep in step.
+MODULES = sorted(f[:-3] for f in glob.glob("*.py") if not f.startswith("test_") and f not in ("setup.py", "conftest.py"))
 
 
 def cuda_build() -> dict:
@@ -20,10 +25,10 @@ setup(
     version="0.1.0",
     description="A minimalist LLM inference engine: continuous batching, paged KV, chunked prefill",
     python_requires=">=3.10",
-    py_modules=["config", "sequence", "kv_cache", "scheduler", "model", "cpu", "runner", "engine", "weights",
-                "tokenizer", "events", "serve", "bench", "bench_kernel", "bench_plot"],
+    py_modules=MODULES,
     packages=["attention_cuda"],
     package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"]},
+    data_files=[("share/laneserve", ["page.html"])],  # serve.py looks there when it is not beside it
     install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2"],
     extras_require={"test": ["pytest", "transformers", "accelerate", "openai", "hypothesis", "selenium"]},
     **cuda_build(),

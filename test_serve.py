@@ -731,3 +731,24 @@ def test_fuzz_the_api_from_its_openapi_description(short_server):
     assert request(short_server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
     m = wait_metrics(short_server, lambda m: m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0)
     assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0
+
+
+def test_a_wheel_holds_everything_the_server_runs(tmp_path):
+    """pip install . (not -e) packages every module, the kernel's sources and the live page: the server's
+    modules import from the unpacked wheel alone, and the page sits where serve.py looks once installed."""
+    import shutil
+    import zipfile
+    source = tmp_path / "source"  # a copy: pip builds in the source tree
+    shutil.copytree(HERE, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("laneserve-*.whl")))
+    site = tmp_path / "site"
+    wheel.extractall(site)
+    r = subprocess.run([sys.executable, "-c", "import bench, serve, attention_cuda; print(attention_cuda.__file__)"],
+                       cwd=tmp_path, env={**ENV, "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(str(site)), r.stderr
+    assert {"attention_cuda/paged_attention.cu", "attention_cuda/binding.cpp"} <= set(wheel.namelist())
+    import serve
+    data = next(n for n in wheel.namelist() if n.endswith("page.html")).split(".data/data/")[1]
+    assert os.path.join(sys.prefix, data) == serve.PAGES[1]
