@@ -65,6 +65,7 @@ class TensorParallel:
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_size))
         self.failure: str | None = None
         self.workers: list[mp.Process] = []
+        self.watcher: threading.Thread | None = None
         self.started = self.closed = False
 
     def start(self, spawn: tuple = ()) -> None:
@@ -85,7 +86,8 @@ class TensorParallel:
                                                             name=f"tp-rank{r}") for r in range(1, self.size)]
             for w in self.workers:
                 w.start()
-            threading.Thread(target=self._watch, daemon=True, name="tp-watch").start()
+            self.watcher = threading.Thread(target=self._watch, daemon=True, name="tp-watch")
+            self.watcher.start()
         self.started = True
         dist.init_process_group(self.backend, init_method=address, rank=self.rank, world_size=self.size,
                                 timeout=STARTUP, device_id=self.device if self.device.type == "cuda" else None)
@@ -142,6 +144,8 @@ class TensorParallel:
         for w in self.workers:
             w.join(timeout=10)
         self._end_workers()
+        if self.watcher:  # it may be reaping a worker too: until it has recorded the exit, is_alive() says yes
+            self.watcher.join()
         if dist.is_initialized():  # not if joining failed
             dist.destroy_process_group()
         atexit.unregister(self.close)

@@ -206,7 +206,8 @@ def write_meta(path, model: LlamaForCausalLM, shards: int = 1, split_vocab: bool
 
 
 @pytest.mark.parametrize("tied, scaled, shards, split_vocab",
-                         [(False, True, 1, True), (False, True, 2, True), (True, False, 2, False)])
+                         [(False, True, 1, True), (False, True, 2, True), (True, False, 2, False),
+                          (False, False, 4, True)])  # 4 shards: a rank's part spans two of them
 def test_meta_checkpoint_matches_hf(tmp_path, tied, scaled, shards, split_vocab):
     model = tiny_llama(tied, scaled)
     hf_dir, meta_dir = tmp_path / "hf", tmp_path / "meta"
@@ -219,6 +220,19 @@ def test_meta_checkpoint_matches_hf(tmp_path, tied, scaled, shards, split_vocab)
     assert_same(meta_state, hf_state)
     assert_tp_parts(str(hf_dir), hf_config, hf_state)
     assert_tp_parts(str(meta_dir), hf_config, hf_state)
+
+
+def test_a_ranks_part_of_meta_shards_reads_only_the_shards_holding_it():
+    """A rank's rows of a tensor Meta cut by rows into 4 shards: the shards outside them are never read
+    (here they live on the meta device, which holds no data: reading one would fail)."""
+    pieces = [torch.arange(8.0).view(4, 2) + 8 * i for i in range(4)]
+    whole = torch.cat(pieces)
+    for lo, hi in [(0, 4), (2, 10), (6, 16)]:
+        held = [p if 4 * i < hi and lo < 4 * i + 4 else torch.empty(p.shape, device="meta")
+                for i, p in enumerate(pieces)]
+        assert torch.equal(weights._merge_shards("layers.0.attention.wq.weight", held, 2, (0, lo, hi)), whole[lo:hi])
+    columns = weights._merge_shards("layers.0.attention.wq.weight", pieces, 2, (1, 1, 2))  # across the cut
+    assert torch.equal(columns, whole[:, 1:2])
 
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -298,25 +298,28 @@ def _load_meta(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
     # mmap: a shard is paged in tensor by tensor instead of read whole (16 GB for an 8B model).
     shards = [torch.load(file, map_location="cpu", mmap=True, weights_only=True)
               for file in sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))]
-    merged = {_hf_name(name, _META_NAMES, "layers."): _merge_shards(name, [s[name] for s in shards], dim)
-              for name in shards[0] if name != "rope.freqs"}  # Llama 2 saved its RoPE table; rebuilt from theta
+    parts = {_hf_name(name, _META_NAMES, "layers."): (name, [s[name] for s in shards])
+             for name in shards[0] if name != "rope.freqs"}  # Llama 2 saved its RoPE table; rebuilt from theta
+
+    def rows(hf_name: str) -> int:  # of the merged tensor, from shapes alone
+        name, pieces = parts[hf_name]
+        return _merge_shards(name, [torch.empty(p.shape, device="meta") for p in pieces], dim).shape[0]
     scaled = params.get("use_scaled_rope", False)
     # params.json has no scaling parameters, only use_scaled_rope: the factor is 32 for the Llama 3.2 1B/3B text
     # models (dim <= 3072) and 8 for every larger Llama 3.1+ model (as in HF's convert_llama_weights_to_hf.py).
     factor = 32.0 if dim <= 3072 else 8.0
     config = ModelConfig(
-        vocab_size=merged["model.embed_tokens.weight"].shape[0], hidden_size=dim,
+        vocab_size=rows("model.embed_tokens.weight"), hidden_size=dim,
         # The tensor is the truth; params' multiple_of/ffn_dim_multiplier only re-derive this size.
-        intermediate_size=merged["model.layers.0.mlp.gate_proj.weight"].shape[0],
+        intermediate_size=rows("model.layers.0.mlp.gate_proj.weight"),
         num_hidden_layers=params["n_layers"], num_attention_heads=heads,
         num_key_value_heads=params.get("n_kv_heads") or heads, head_dim=dim // heads,
         rms_norm_eps=params.get("norm_eps", 1e-5), rope_theta=params.get("rope_theta", 10000.0),
         rope_scaling=_llama3_scaling(factor) if scaled else None, max_position_embeddings=131072 if scaled else 8192,
-        tie_word_embeddings="lm_head.weight" not in merged)
+        tie_word_embeddings="lm_head.weight" not in parts)
     tp_check(config, size)
-    # The cast copies only this rank's part of each mapped tensor.
-    return config, {name: _rotate_half_layout(name, _cut(t, tp_split(config, name, rank, size)).to(dtype), config)
-                    for name, t in merged.items()}
+    return config, {hf: _rotate_half_layout(hf, _merge_shards(name, pieces, dim, tp_split(config, hf, rank, size))
+                                            .to(dtype), config) for hf, (name, pieces) in parts.items()}
 
 
 def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
@@ -324,14 +327,27 @@ def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
     return t if split is None else t.narrow(split[0], split[1], split[2] - split[1])
 
 
-def _merge_shards(name: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """One tensor from Meta's model-parallel pieces: output-split (dim 0) except the input-split wo/w2."""
+def _merge_shards(name: str, parts: list[torch.Tensor], dim: int,
+                  split: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """One tensor from Meta's model-parallel pieces (output-split along dim 0, except the input-split wo/w2),
+    or only the part of it that `split` names (model.tp_split): only the pieces that hold it are read."""
     if len(parts) == 1 or parts[0].dim() == 1:  # norms are replicated in every shard
-        return parts[0]
+        return _cut(parts[0], split)
     by_input = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
     # Llama 2 split the embedding along its width, Llama 3 along the vocabulary.
     by_input |= name == "tok_embeddings.weight" and parts[0].shape[1] != dim
-    return torch.cat(parts, dim=1 if by_input else 0)
+    axis = 1 if by_input else 0
+    if split is not None and split[0] != axis:
+        parts = [_cut(p, split) for p in parts]
+    elif split is not None:  # the pieces' overlaps with [start, end) along the axis they were cut on
+        start, end, offset, kept = split[1], split[2], 0, []
+        for p in parts:
+            lo, hi = max(start - offset, 0), min(end - offset, p.shape[axis])
+            if lo < hi:
+                kept.append(p.narrow(axis, lo, hi - lo))
+            offset += p.shape[axis]
+        parts = kept
+    return torch.cat(parts, dim=axis)
 
 
 def _hf_name(name: str, tables: tuple[dict[str, str], dict[str, str]], layer_prefix: str) -> str:
