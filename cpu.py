@@ -184,16 +184,16 @@ class TiledAttention:
                 full = x.new_full((x.shape[0], grid[0] * grid[1], *x.shape[2:]), fill)
                 return full.index_copy_(1, slot, x).unflatten(1, grid)
             p = s.sub_(spread(s.amax(-1, keepdim=True), float("-inf")).amax(2)[:, seq]).exp_()
-            total = pairwise(spread(p.sum(-1, keepdim=True), 0.0), 2)
-            out[:, :grid[0]] = pairwise(spread(weighted(p, v), 0.0), 2) / total
+            acc = pairwise(spread(weighted(p, v), 0.0), 2)
+            out[:, :grid[0]] = acc[..., :-1] / acc[..., -1:]
         for rows, blocks, hidden in self.prefills:
             k, v = (gather_blocks(c, blocks).view(len(hidden), t, kv_heads, dim) for c in (k_cache, v_cache))
             n = rows.stop - rows.start
             # Every row reads the same tile: a stride-0 batch, not copies.
             s = torch.stack([scores(q[rows], kj.float().expand(n, -1, -1, -1), h) for kj, h in zip(k, hidden)])
             p = s.sub_(s.amax((0, -1), keepdim=True)).exp_()  # [tiles, kv_heads, n, group, tile]
-            total = pairwise(p.sum(-1, keepdim=True), 0)
-            out[:, rows] = tree_sum(weighted(pj, vj.expand(n, -1, -1, -1)) for pj, vj in zip(p, v)) / total
+            acc = tree_sum(weighted(pj, vj.expand(n, -1, -1, -1)) for pj, vj in zip(p, v))
+            out[:, rows] = acc[..., :-1] / acc[..., -1:]
         return out.transpose(0, 1).reshape(query.shape).to(query.dtype)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -217,13 +217,15 @@ def scores(q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor) -> torch.Tens
 
 def weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Weights p [kv_heads, batch, group, tile] (float32) times one value tile v [batch, tile, kv_heads, dim]
-    in v's dtype, returned in float32. In bfloat16 the weights are rounded to it first, as HF's eager
-    attention rounds them, and the matmul sums in float32 but rounds its result (README: why)."""
+    in v's dtype, in float32 with the weights' sum appended ([kv_heads, batch, group, dim + 1]: one tree of
+    sums adds both). In bfloat16 the weights are rounded to it first, as HF's eager attention rounds them,
+    and the matmul sums in float32 but rounds its result (README: why)."""
+    o = p.new_empty(*p.shape[:3], v.shape[3] + 1)
+    o[..., -1:] = p.sum(-1, keepdim=True)
     p = p.to(v.dtype)
-    o = p.new_empty(*p.shape[:3], v.shape[3])
     for h in range(v.shape[2]):
-        torch.bmm(p[h], v[:, :, h], out=o[h])
-    return o.float()
+        o[h, ..., :-1] = torch.bmm(p[h], v[:, :, h])
+    return o
 
 
 def pairwise(x: torch.Tensor, dim: int) -> torch.Tensor:
