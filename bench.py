@@ -102,6 +102,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--compare-static needs the in-process server (it starts a static one); drop --base-url")
     if args.min_len > args.max_len:
         p.error(f"--min-len ({args.min_len}) is above --max-len ({args.max_len})")
+    if args.base_url and not ((url := urllib.parse.urlsplit(args.base_url)).scheme in ("http", "https") and url.netloc):
+        p.error(f"--base-url must be an http:// or https:// URL, got {args.base_url!r}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):  # found out now, not after the run
+        if path and (os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)):
+            p.error(f"{flag}: cannot write {path} (a directory, or its directory is missing or read-only)")
     try:
         engine_config(args)
     except ValueError as e:
@@ -490,7 +495,7 @@ def fmt(x) -> str:
 def print_report(report: dict, args) -> None:
     w = 40
     runs = report.get("runs", {})
-    if runs:
+    if any(run["sweep"] for run in runs.values()):  # nothing measured (the server unreachable, say): no table
         cols = [(c, label) for c in args.concurrency for label in runs]
         by = {(lv["concurrency"], label): lv for label, run in runs.items() for lv in run["sweep"]}
         head = [f"c={c}" + (" cont" if label == "continuous" else f" {label}" if len(runs) > 1 else "")

@@ -164,6 +164,7 @@ def test_unreachable_server_is_one_line(tmp_path, capsys):
         port = s.getsockname()[1]
     rc, report, out, err = run(["--base-url", f"http://127.0.0.1:{port}"], tmp_path, capsys)
     assert rc == 1 and err.startswith("bench.py: error: cannot list the models") and err.count("\n") == 1
+    assert "Serving benchmark" not in out  # no table of dashes: nothing was measured
 
 
 def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, capsys):
@@ -183,6 +184,9 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
     (["--base-url", "http://x", "--compare-static"], "--compare-static needs the in-process server"),
     (["--max-num-batched-tokens", "4"], "max_num_batched_tokens (4) must be at least one block"),
     (["--min-len", "9", "--max-len", "8"], "--min-len (9) is above --max-len (8)"),
+    (["--base-url", "localhost:8000"], "--base-url must be an http:// or https:// URL"),
+    (["--json", "/nonexistent/report.json"], "--json: cannot write /nonexistent/report.json"),
+    (["--plot", "/"], "--plot: cannot write /"),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
