@@ -3,7 +3,8 @@ import glob
 from setuptools import setup
 
 # Every top-level module but the tests: a new file is packaged without a list to keep in step.
-MODULES = sorted(f[:-3] for f in glob.glob("*.py") if not f.startswith("test_") and f not in ("setup.py", "conftest.py"))
+MODULES = sorted(f[:-3] for f in glob.glob("*.py")
+                 if not f.startswith("test_") and f not in ("setup.py", "conftest.py"))
 
 
 def cuda_build() -> dict:
