@@ -54,14 +54,17 @@ def hf_model():
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
+# A two-layer model with SmolLM2's vocabulary, on random weights: for tests of scheduling and serving rather
+# than numerics, in milliseconds a step.
+TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
+
+
 @pytest.fixture
 def tiny():
-    """The name of a two-layer model with SmolLM2's vocabulary, for LLM(model=tiny, dummy_weights=True): random
-    weights, for tests of scheduling rather than numerics, in milliseconds a step."""
-    config = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16)
+    """TINY's preset name, for LLM(model=tiny, dummy_weights=True)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "tiny", config)
+        patch.setitem(weights.PRESETS, "tiny", TINY)
         yield "tiny"
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import weights
 from config import EngineConfig
-from model import ModelConfig
+from conftest import TINY
 from serve import Server
 from test_serve import request, wait_metrics
 
@@ -24,10 +24,8 @@ CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 @pytest.fixture(scope="module")
 def server():
     """Random weights in a tiny model, 4 slots: 8 requests make lanes wait for a slot and reuse it."""
-    config = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "tiny", config)
+        patch.setitem(weights.PRESETS, "tiny", TINY)
         s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=128, device="cpu", max_num_seqs=4,
                                 enable_prefix_caching=True, max_model_len=2048), port=0, log_requests=False)
         s.start()
@@ -85,25 +83,21 @@ def test_a_watcher_that_never_reads_costs_bounded_memory_and_no_step(server):
         sock.close()
 
 
-def test_step_events_need_the_api_key():
-    config = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "tiny", config)
-        s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
-                   api_key="sesame", log_requests=False)
-        s.start()
-        try:
-            assert s.wait_ready(120)
-            assert request(s, "GET", "/v1/engine/steps")[0] == 401
-            status, page = request(s, "GET", "/")  # the page is public; it asks for the key
-            assert status == 200 and b"This server needs an API key" in page
-            events = step_events(s, {"Authorization": "Bearer sesame"})
-            ok = {"model": "tiny", "prompt": [1, 2], "max_tokens": 1}
-            assert request(s, "POST", "/v1/completions", ok, {"Authorization": "Bearer sesame"})[0] == 200
-            assert next(events)["lanes"][0]["kind"] == "prefill"
-        finally:
-            s.stop()
+def test_step_events_need_the_api_key(tiny):
+    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
+               api_key="sesame", log_requests=False)
+    s.start()
+    try:
+        assert s.wait_ready(120)
+        assert request(s, "GET", "/v1/engine/steps")[0] == 401
+        status, page = request(s, "GET", "/")  # the page is public; it asks for the key
+        assert status == 200 and b"This server needs an API key" in page
+        events = step_events(s, {"Authorization": "Bearer sesame"})
+        ok = {"model": "tiny", "prompt": [1, 2], "max_tokens": 1}
+        assert request(s, "POST", "/v1/completions", ok, {"Authorization": "Bearer sesame"})[0] == 200
+        assert next(events)["lanes"][0]["kind"] == "prefill"
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")

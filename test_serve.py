@@ -24,6 +24,7 @@ import torch
 
 import weights
 from config import EngineConfig, add_cli_args, from_cli_args
+from conftest import TINY
 from serve import Server, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -513,11 +514,8 @@ def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
 def serving_tiny(max_model_len: int):
     """A server on random weights (a two-layer model with SmolLM2's vocabulary and the byte tokenizer), prefix
     caching on: for the API's fields and failure paths, in milliseconds a request."""
-    from model import ModelConfig
-    config = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "tiny", config)
+        patch.setitem(weights.PRESETS, "tiny", TINY)
         s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=256, device="cpu",
                                 enable_prefix_caching=True, max_model_len=max_model_len), port=0)
         s.start()
