@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import LLM
-from runner import kv_cache_bytes
+import runner
+from runner import _draw, kv_cache_bytes
 from sequence import SamplingParams, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,6 +57,7 @@ def test_one_host_sync_per_step(tiny, monkeypatch):
     # CPU attention reads lengths back (free on a CPU); the CUDA kernels read none. Stand-ins that read none:
     llm.runner.model.attention = lambda q, *args: q.clone()
     llm.runner.model.store_kv = lambda *args: None
+    monkeypatch.setattr(runner, "TOP_P_HEAD", 10**9)  # on CPU top_p reads the head's mass back; CUDA sorts all
     modes = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),
              dict(temperature=0, logprobs=3), dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5)]
     for i, mode in enumerate(modes * 2):
@@ -117,3 +119,28 @@ def test_random_weights_need_no_files(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "h\u00e9llo <|im_end|>"
+
+
+@pytest.mark.parametrize("knobs, expected", [
+    ({}, [0.5, 0.3, 0.15, 0.05, 0]),
+    ({"top_k": 2}, [0.625, 0.375, 0, 0, 0]),
+    ({"top_p": 0.85}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
+    ({"min_p": 0.2}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
+])
+def test_draws_follow_the_distribution(knobs, expected):
+    """20,000 draws: each token's frequency within 0.012 of its probability (over 4 standard deviations
+    of the worst case), and a token of probability 0 never drawn."""
+    row = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]).log()
+    g, p = torch.Generator().manual_seed(0), SamplingParams(**knobs)
+    counts = torch.bincount(torch.stack([_draw(row, p, g) for _ in range(20_000)]), minlength=5)
+    freq = counts / counts.sum()
+    assert (freq - torch.tensor(expected)).abs().max() < 0.012, freq
+    assert all(c == 0 for c, e in zip(counts.tolist(), expected) if e == 0)
+
+
+def test_a_nucleus_wider_than_the_sorted_head():
+    """top_p 0.5 over 4,096 equally likely tokens keeps 2,048 of them (each 2^-12: the sums are exact), more
+    than the TOP_P_HEAD that _draw sorts first, so it must sort them all."""
+    g, p = torch.Generator().manual_seed(0), SamplingParams(top_p=0.5)
+    drawn = {int(_draw(torch.zeros(4096), p, g)) for _ in range(20_000)}
+    assert runner.TOP_P_HEAD < len(drawn) <= 2048
