@@ -29,13 +29,13 @@ def has_bf16_units() -> bool:
 
 
 ROW_TILE = 64   # rows per matmul call: see TiledLinear
-KEY_TILE = 32   # keys per attention tile: see TiledAttention
+KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
 
 
 def optimize(model: Transformer, quantization: str | None) -> None:
     """Swap the fast CPU forms into model, in place."""
     keep_freed_memory()
-    model.attention, model.store_kv = TiledAttention(), store_finite_kv
+    model.attention, model.store_kv = BucketedAttention(), store_finite_kv
     _replace(model, nn.RMSNorm, FusedRMSNorm)
     dtype, flags = model.embed.weight.dtype, _cpu_flags()
     # oneDNN packs float32 weights everywhere, bfloat16 only where these instructions exist.
@@ -146,72 +146,61 @@ class Int4Linear(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
 
 
-class TiledAttention:
+class BucketedAttention:
     """Paged attention for every query token of a step, prefill or decode, computed one way: scores and
     softmax in float32, the weighted values in the cache's dtype (see weighted()).
-    A token's keys 0..position are cut into tiles of KEY_TILE keys from key 0. Each matmul is one token's
-    queries against one tile (scores, then the weighted values), batched over tokens and tiles; softmax
-    takes the max over all of the token's scores, and the per-tile sums of weights and of weighted values
-    are added in a pairwise tree in tile order. So a token's result depends on its sequence and position
-    alone: not on its batch, on where its prompt was cut, or on whether it ran as a prefill or a decode.
-    The one-token sequences run together, all their (sequence, tile) pairs in one batch; each longer
-    prefill piece runs tile by tile, its tokens sharing each tile. What depends only on the block tables
-    is planned by the first layer's call of a step and reused by the others."""
+    A token at position p reads its sequence's first b keys, b = p + 1 rounded up to a multiple of
+    KEY_BUCKET, those past p masked: per KV head one matmul for its group of queries' scores ([group, dim]
+    by [dim, b]) and one for the weighted values ([group, b] by [b, dim]), softmax over all b. Matmul
+    libraries pick their kernel, and so the order in which they sum, by shape; every shape here follows
+    from the token's position alone. So a token's result depends on its sequence and position alone: not
+    on its batch, on where its prompt was cut, or on whether it ran as a prefill or a decode.
+    Tokens with the same b run together: the one-token sequences (decodes) as one batch, each with its
+    own keys; a prefill piece's tokens against its sequence's keys, shared (a stride-0 batch, not copies).
+    What depends only on the block tables is planned by the first layer's call of a step and reused."""
 
     def __init__(self):
         self.meta: BatchMeta | None = None  # what the plan below was made for
 
     def plan(self, meta: BatchMeta, block_size: int) -> None:
         lens, ctx = meta.query_lens, meta.host_context_lens
+        tables = meta.block_tables.cpu().long()
         ones = next((i for i, n in enumerate(lens) if n > 1), len(lens))
-        per_tile = max(1, KEY_TILE // block_size)
-        self.tile = tile = per_tile * block_size
-        tables, key = meta.block_tables.cpu().long(), torch.arange(tile)
-        self.meta, self.decodes, self.prefills = meta, None, []
-        if ones:  # every (sequence, tile) pair that holds keys, sequence after sequence, tiles in order
-            pos = torch.tensor(ctx[:ones]) - 1
-            exists = torch.arange(int(pos.max()) // tile + 1) < (pos // tile + 1)[:, None]  # [seqs, tiles]
-            width = exists.shape[1] * per_tile
-            blocks = F.pad(tables[:ones], (0, width))[:, :width].reshape(ones, -1, per_tile)[exists]
-            seq, j = exists.nonzero().unbind(1)
-            hidden = (j[:, None] * tile + key > pos[seq, None])[:, None]
-            self.decodes = (blocks.flatten(), seq, exists.flatten().nonzero()[:, 0], exists.shape, hidden)
+        # (rows of the step, their sequences' blocks: one row each or one for all, [rows, 1, 1, b] keys past
+        # each row's position)
+        self.meta, self.groups = meta, []
+
+        def add(rows: torch.Tensor, tables: torch.Tensor, keys: torch.Tensor) -> None:
+            step = max(KEY_BUCKET, block_size)  # whole blocks
+            bucket = (keys + step - 1) // step * step
+            for b in bucket.unique().tolist():
+                at = (bucket == b).nonzero()[:, 0]
+                blocks = F.pad(tables, (0, b // block_size))[:, :b // block_size]
+                hidden = (torch.arange(b) >= keys[at, None])[:, None, None]
+                self.groups.append((rows[at], blocks if len(blocks) == 1 else blocks[at], hidden))
+        if ones:  # a decode's one token sees its whole context
+            add(torch.arange(ones), tables[:ones], torch.tensor(ctx[:ones]))
         start = ones
-        for i in range(ones, len(lens)):  # a prefill piece: its blocks, and per tile the keys each row sees
-            n, tiles = lens[i], -(-ctx[i] // tile)
-            blocks = F.pad(tables[i], (0, tiles * per_tile))[:tiles * per_tile]
-            pos = torch.arange(ctx[i] - n, ctx[i])[:, None]
-            hidden = [(j * tile + key > pos)[:, None] for j in range(tiles)]
-            self.prefills.append((slice(start, start + n), blocks, hidden))
+        for i in range(ones, len(lens)):  # a prefill piece: row j sits at position ctx - n + j
+            n = lens[i]
+            add(torch.arange(start, start + n), tables[i:i + 1], torch.arange(ctx[i] - n, ctx[i]) + 1)
             start += n
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                  scale: float) -> torch.Tensor:
         if meta is not self.meta:
             self.plan(meta, k_cache.shape[1])
-        kv_heads, dim, t = *k_cache.shape[2:], self.tile
-        q = (query.float() * scale).view(query.shape[0], kv_heads, -1, dim)
-        out = q.new_empty(kv_heads, q.shape[0], *q.shape[2:])  # [kv_heads, tokens, group, dim]
-        if self.decodes:
-            blocks, seq, slot, grid, hidden = self.decodes
-            k, v = (gather_blocks(c, blocks).view(len(seq), t, kv_heads, dim) for c in (k_cache, v_cache))
-            s = scores(q[seq], k.float(), hidden)  # [kv_heads, pairs, group, tile]
-
-            def spread(x: torch.Tensor, fill: float) -> torch.Tensor:  # pairs -> [.., seqs, tiles, ..], absent: fill
-                full = x.new_full((x.shape[0], grid[0] * grid[1], *x.shape[2:]), fill)
-                return full.index_copy_(1, slot, x).unflatten(1, grid)
-            p = s.sub_(spread(s.amax(-1, keepdim=True), float("-inf")).amax(2)[:, seq]).exp_()
-            acc = pairwise(spread(weighted(p, v), 0.0), 2)
-            out[:, :grid[0]] = acc[..., :-1] / acc[..., -1:]
-        for rows, blocks, hidden in self.prefills:
-            k, v = (gather_blocks(c, blocks).view(len(hidden), t, kv_heads, dim) for c in (k_cache, v_cache))
-            n = rows.stop - rows.start
-            # Every row reads the same tile: a stride-0 batch, not copies.
-            s = torch.stack([scores(q[rows], kj.float().expand(n, -1, -1, -1), h) for kj, h in zip(k, hidden)])
-            p = s.sub_(s.amax((0, -1), keepdim=True)).exp_()  # [tiles, kv_heads, n, group, tile]
-            acc = tree_sum(weighted(pj, vj.expand(n, -1, -1, -1)) for pj, vj in zip(p, v))
-            out[:, rows] = acc[..., :-1] / acc[..., -1:]
-        return out.transpose(0, 1).reshape(query.shape).to(query.dtype)
+        q = (query.float() * scale).view(query.shape[0], k_cache.shape[2], -1, query.shape[2])
+        out = torch.empty_like(q)  # [tokens, kv_heads, group, dim]
+        for rows, blocks, hidden in self.groups:
+            # Each head's keys and values contiguous: a batched matmul copies any other layout, a
+            # prefill piece's stride-0 batch once per row.
+            k, v = (gather_keys(c, blocks, hidden.shape[-1]) for c in (k_cache, v_cache))
+            k = k.to(torch.float32, memory_format=torch.contiguous_format)
+            s = per_head(q[rows], k.transpose(2, 3)).masked_fill_(hidden, float("-inf"))
+            p = s.sub_(s.amax(-1, keepdim=True)).exp_()  # [rows, kv_heads, group, b]
+            out[rows] = weighted(p, v.contiguous())
+        return out.view(query.shape).to(query.dtype)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
@@ -222,64 +211,32 @@ class TiledAttention:
         return self(query, k_cache, v_cache, meta, scale)
 
 
-def scores(q: torch.Tensor, k: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """q [batch, kv_heads, group, dim] (scaled) against one key tile k [batch, tile, kv_heads, dim]:
-    [kv_heads, batch, group, tile], -inf where hidden ([batch, 1, tile]: keys past the token's position).
-    One matmul per KV head: its group of query heads against its keys."""
-    s = q.new_empty(k.shape[2], q.shape[0], q.shape[2], k.shape[1])
-    for h in range(k.shape[2]):
-        torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=s[h])
-    return s.masked_fill_(hidden, float("-inf"))
+def gather_keys(cache: torch.Tensor, blocks: torch.Tensor, b: int) -> torch.Tensor:
+    """The first b slots of each row of blocks ([sequences, b / block_size] block ids) as
+    [sequences, kv_heads, b, dim] (a view). A block is one contiguous row of the cache, so the gather is
+    a row index_select: a memcpy per block."""
+    x = cache.view(cache.shape[0], -1).index_select(0, blocks.flatten())
+    return x.view(len(blocks), b, *cache.shape[2:]).transpose(1, 2)
+
+
+def per_head(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [rows, kv_heads, m, k] by b [rows or 1, kv_heads, k, n]: a matmul per row and KV head, one batch
+    per head. A b of one sequence serves every row as a stride-0 batch (a prefill piece's keys). One batch
+    of rows and heads together would sum decodes in another order than prefill tokens."""
+    return torch.stack([torch.bmm(a[:, h], b[:, h].expand(len(a), -1, -1)) for h in range(b.shape[1])], 1)
 
 
 def weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Weights p [kv_heads, batch, group, tile] (float32) times one value tile v [batch, tile, kv_heads, dim]
-    in v's dtype, in float32 with the weights' sum appended ([kv_heads, batch, group, dim + 1]: one tree of
-    sums adds both). In bfloat16 the weights are rounded to it first, as HF's eager attention rounds them,
-    and the matmul sums in float32 but rounds its result (README: why)."""
-    o = p.new_empty(*p.shape[:3], v.shape[3] + 1)
-    o[..., -1:] = p.sum(-1, keepdim=True)
-    p = p.to(v.dtype)
-    for h in range(v.shape[2]):
-        o[h, ..., :-1] = torch.bmm(p[h], v[:, :, h])
-    return o
-
-
-def pairwise(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """x summed over dim level by level, (x0 + x1) + (x2 + x3), ..., a level of odd length padded with a
-    zero (which gives the same bits as padding to a power of two at the start: adding 0 is exact)."""
-    x = x.movedim(dim, 0)
-    while x.shape[0] > 1:
-        if x.shape[0] % 2:
-            x = torch.cat((x, x.new_zeros(1, *x.shape[1:])))
-        x = x[0::2] + x[1::2]
-    return x[0]
-
-
-def tree_sum(leaves) -> torch.Tensor:
-    """The leaves summed as pairwise() sums them, one leaf at a time: two partial sums over equally many
-    leaves are added as soon as both exist, and what is left at the end is added from the right."""
-    stack: list[tuple[int, torch.Tensor]] = []
-    for x in leaves:
-        size = 1
-        while stack and stack[-1][0] == size:
-            x, size = stack.pop()[1] + x, size * 2
-        stack.append((size, x))
-    x = stack.pop()[1]
-    while stack:
-        x = stack.pop()[1] + x
-    return x
+    """Weights p [rows, kv_heads, group, b] (float32) times values v [rows, kv_heads, b, dim], normalised
+    by the weights' sum, in float32. The matmul runs in v's dtype: in bfloat16 the weights are rounded to
+    it first, as HF's eager attention rounds them, and the matmul sums in float32 but rounds its result
+    (README: why)."""
+    return per_head(p.to(v.dtype), v).float() / p.sum(-1, keepdim=True)
 
 
 def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """attention_cuda.store_kv, values that are not finite stored as 0. TiledAttention weighs the slots
-    of a tile past a sequence's end (left by a block's former owner) by exactly 0, which is only 0 for
-    a finite value: a sequence that went NaN must not reach the next owner of its blocks."""
+    """attention_cuda.store_kv, values that are not finite stored as 0. BucketedAttention weighs the
+    slots of a bucket past a sequence's end (another sequence's, or left by a block's former owner) by
+    exactly 0, which is only 0 for a finite value: a sequence that went NaN must not reach the next owner of its blocks."""
     attention_cuda.store_kv(key, value.nan_to_num(0.0, 0.0, 0.0), k_cache, v_cache, slot_mapping)
-
-
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks `blocks` (int64 ids), one row each. A block is one contiguous row of the cache,
-    so the gather is a row index_select: a memcpy per block."""
-    return cache.view(cache.shape[0], -1).index_select(0, blocks)

@@ -107,21 +107,21 @@ CPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict
 
 
 def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale):
-    """cpu.TiledAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner orders them."""
+    """cpu.BucketedAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner orders them."""
     lens = [n for _, n in lanes]
     ctx = [c for c, _ in lanes]
     meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32), torch.empty(0),
                      torch.empty(0), max(lens), max(ctx), lens, ctx)
-    return cpu.TiledAttention()(query, k_cache, v_cache, meta, scale)
+    return cpu.BucketedAttention()(query, k_cache, v_cache, meta, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads, head_dim, block_size", [((9, 3), 64, 16), ((4, 4), 128, 8), ((8, 1), 64, 32)])
 def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype):
-    # cpu.py's attention (key tiles, online softmax in float32) against the float64 loop: decodes and
-    # prefill pieces with earlier context, contexts within one key tile and across several.
+    # cpu.py's attention (keys in buckets, softmax in float32) against the float64 loop: decodes and
+    # prefill pieces with earlier context, contexts within one bucket and across several.
     lanes = [(1, 1), (block_size - 1, 1), (block_size, 1), (block_size + 1, 1), (300, 1), (37, 1),
-             (7, 7), (50, 9), (2 * cpu.KEY_TILE + 5, 40), (block_size + 1, block_size + 1)]
+             (7, 7), (50, 9), (2 * cpu.KEY_BUCKET + 5, 40), (block_size + 1, block_size + 1)]
     batch = make_batch(head_dim + block_size, lanes, *heads, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
     out = cpu_attention(*batch[:4], lanes, scale)
@@ -129,7 +129,7 @@ def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype):
     torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
     # The decode entry point, with the reference's signature.
     ones = 6
-    decode = cpu.TiledAttention().decode(batch[0][:ones], *batch[1:3], batch[3][:ones], batch[4][:ones], scale)
+    decode = cpu.BucketedAttention().decode(batch[0][:ones], *batch[1:3], batch[3][:ones], batch[4][:ones], scale)
     torch.testing.assert_close(decode.double(), expected[:ones], **CPU_TOLERANCE[dtype])
 
 
