@@ -52,10 +52,11 @@ def optimize(model: Transformer, quantization: str | None) -> None:
 
 def keep_freed_memory() -> None:
     """Have glibc's malloc keep freed memory for the next step instead of returning it to the OS. By
-    default a large freed tensor is unmapped (or trimmed off the heap), and the next step's tensor of the
-    same size faults every page back in, each zeroed by the kernel: a 64-lane decode step took 2-3x as
-    long. Fixing the mmap threshold (32 MiB, glibc's largest) serves smaller tensors from the heap, and
-    the trim threshold keeps the heap's free top. Elsewhere than glibc, nothing changes."""
+    default a large freed tensor is unmapped (or trimmed off the heap), and the next step's tensor of
+    the same size faults every page back in, each zeroed by the kernel: a decode step of 64 sequences
+    took 2-3x as long. Fixing the mmap threshold (32 MiB, glibc's largest) serves smaller tensors from
+    the heap, and the trim threshold keeps the heap's free top; the price is that the process stays
+    at its peak size. Elsewhere than glibc, nothing changes."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -152,8 +153,8 @@ class BucketedAttention:
     A token at position p reads its sequence's first b keys, b = p + 1 rounded up to a multiple of
     KEY_BUCKET, those past p masked: per KV head one matmul for its group of queries' scores ([group, dim]
     by [dim, b]) and one for the weighted values ([group, b] by [b, dim]), softmax over all b. Matmul
-    libraries pick their kernel, and so the order in which they sum, by shape; every shape here follows
-    from the token's position alone. So a token's result depends on its sequence and position alone: not
+    libraries pick their kernel, and so the order in which they sum, by shape and operand layout; every
+    shape here follows from the token's position alone, every layout is the same in every path. So a token's result depends on its sequence and position alone: not
     on its batch, on where its prompt was cut, or on whether it ran as a prefill or a decode.
     Tokens with the same b run together: the one-token sequences (decodes) as one batch, each with its
     own keys; a prefill piece's tokens against its sequence's keys, shared (a stride-0 batch, not copies).
@@ -238,5 +239,6 @@ def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
                     slot_mapping: torch.Tensor) -> None:
     """attention_cuda.store_kv, values that are not finite stored as 0. BucketedAttention weighs the
     slots of a bucket past a sequence's end (another sequence's, or left by a block's former owner) by
-    exactly 0, which is only 0 for a finite value: a sequence that went NaN must not reach the next owner of its blocks."""
+    exactly 0, which is only 0 for a finite value: a sequence that went NaN must not reach the next
+    owner of its blocks."""
     attention_cuda.store_kv(key, value.nan_to_num(0.0, 0.0, 0.0), k_cache, v_cache, slot_mapping)

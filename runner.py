@@ -341,7 +341,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
         probs = head.masked_fill(drop, 0)
     # Inverse CDF: one uniform number u in (0, 1] per draw, and the first token whose cumulative mass
     # reaches u * total. A token of mass 0 adds nothing to the sum, so it is never the first to reach it.
-    # (torch.multinomial draws an exponential per vocabulary entry: 1 ms of a 2-core CPU per lane.)
+    # (torch.multinomial draws an exponential per vocabulary entry: 1 ms of a 2-core CPU per sequence.)
     cdf = probs.double().cumsum(0)
     u = 1 - torch.rand((), dtype=torch.float64, device=row.device, generator=generator)
     token = torch.searchsorted(cdf, u * cdf[-1])
