@@ -128,13 +128,13 @@ def test_random_weights_need_no_files(tmp_path):
     ({"min_p": 0.2}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
 ])
 def test_draws_follow_the_distribution(knobs, expected):
-    """20,000 draws: each token's frequency within 0.012 of its probability (over 4 standard deviations
-    of the worst case), and a token of probability 0 never drawn."""
+    """10,000 draws: each token's frequency within 0.02 of its probability (4 standard deviations of the
+    worst case), and a token of probability 0 never drawn."""
     row = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]).log()
     g, p = torch.Generator().manual_seed(0), SamplingParams(**knobs)
-    counts = torch.bincount(torch.stack([_draw(row, p, g) for _ in range(20_000)]), minlength=5)
+    counts = torch.bincount(torch.stack([_draw(row, p, g) for _ in range(10_000)]), minlength=5)
     freq = counts / counts.sum()
-    assert (freq - torch.tensor(expected)).abs().max() < 0.012, freq
+    assert (freq - torch.tensor(expected)).abs().max() < 0.02, freq
     assert all(c == 0 for c, e in zip(counts.tolist(), expected) if e == 0)
 
 
@@ -142,5 +142,5 @@ def test_a_nucleus_wider_than_the_sorted_head():
     """top_p 0.5 over 4,096 equally likely tokens keeps 2,048 of them (each 2^-12: the sums are exact), more
     than the TOP_P_HEAD that _draw sorts first, so it must sort them all."""
     g, p = torch.Generator().manual_seed(0), SamplingParams(top_p=0.5)
-    drawn = {int(_draw(torch.zeros(4096), p, g)) for _ in range(20_000)}
+    drawn = {int(_draw(torch.zeros(4096), p, g)) for _ in range(4_000)}  # ~1,760 distinct expected
     assert runner.TOP_P_HEAD < len(drawn) <= 2048
