@@ -321,24 +321,23 @@ TOP_P_HEAD = 1024  # see _draw
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """A token drawn from softmax(row) after top-k, min-p and top-p. NaN becomes 0 first: a device
     cannot raise for one row (a CUDA assert would end every sequence), and sample() flags the row."""
-    row = row.nan_to_num()
-    if p.top_k > 0:
-        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs, ids = row.softmax(-1), None
+    row, ids = row.nan_to_num(), None  # ids: the vocabulary ids of row's entries, when not all of them
+    if 0 < p.top_k < len(row):
+        row, ids = torch.topk(row, p.top_k)  # the others would get probability 0: draw among these alone
+    probs = row.softmax(-1)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
     if p.top_p < 1:
         # Only the likeliest tokens can make the nucleus. On CPU sort just the TOP_P_HEAD likeliest (a
         # whole 49,152-token vocabulary takes 4 ms on 2 cores), and all only if they fall short of top_p.
-        head, ids = probs.topk(probs.numel() if probs.is_cuda else min(TOP_P_HEAD, probs.numel()))
-        if len(ids) < len(probs) and float(head.sum()) < p.top_p:
-            head, ids = probs.sort(descending=True)
+        head, order = probs.topk(probs.numel() if probs.is_cuda else min(TOP_P_HEAD, probs.numel()))
+        if len(order) < len(probs) and float(head.sum()) < p.top_p:
+            head, order = probs.sort(descending=True)
         # Drop a token once the mass before it already reaches top_p; the first always stays (a top_p
         # that rounds to 0 in float32 would drop it too).
         drop = head.cumsum(-1) - head >= p.top_p
         drop[0] = False
-        probs = head.masked_fill(drop, 0)
+        probs, ids = head.masked_fill(drop, 0), order if ids is None else ids[order]
     # Inverse CDF: one uniform number u in (0, 1] per draw, and the first token whose cumulative mass
     # reaches u * total. A token of mass 0 adds nothing to the sum, so it is never the first to reach it.
     # (torch.multinomial draws an exponential per vocabulary entry: 1 ms of a 2-core CPU per sequence.)
