@@ -154,8 +154,9 @@ class BucketedAttention:
     KEY_BUCKET, those past p masked: per KV head one matmul for its group of queries' scores ([group, dim]
     by [dim, b]) and one for the weighted values ([group, b] by [b, dim]), softmax over all b. Matmul
     libraries pick their kernel, and so the order in which they sum, by shape and operand layout; every
-    shape here follows from the token's position alone, every layout is the same in every path. So a token's result depends on its sequence and position alone: not
-    on its batch, on where its prompt was cut, or on whether it ran as a prefill or a decode.
+    shape here follows from the token's position alone, and every layout is the same in every path. So
+    a token's result depends on its sequence and position alone: not on its batch, on where its prompt
+    was cut, or on whether it ran as a prefill or a decode.
     Tokens with the same b run together: the one-token sequences (decodes) as one batch, each with its
     own keys; a prefill piece's tokens against its sequence's keys, shared (a stride-0 batch, not copies).
     What depends only on the block tables is planned by the first layer's call of a step and reused."""
