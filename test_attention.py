@@ -107,7 +107,8 @@ CPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict
 
 
 def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale):
-    """cpu.BucketedAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner orders them."""
+    """cpu.BucketedAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner
+    orders them."""
     lens = [n for _, n in lanes]
     ctx = [c for c, _ in lanes]
     meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32), torch.empty(0),
