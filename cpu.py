@@ -53,10 +53,10 @@ def optimize(model: Transformer, quantization: str | None) -> None:
 def keep_freed_memory() -> None:
     """Have glibc's malloc keep freed memory for the next step instead of returning it to the OS. By
     default a large freed tensor is unmapped (or trimmed off the heap), and the next step's tensor of
-    the same size faults every page back in, each zeroed by the kernel: a decode step of 64 sequences
-    took 2-3x as long. Fixing the mmap threshold (32 MiB, glibc's largest) serves smaller tensors from
-    the heap, and the trim threshold keeps the heap's free top; the price is that the process stays
-    at its peak size. Elsewhere than glibc, nothing changes."""
+    the same size faults every page back in, each zeroed by the kernel (README: what it cost). Fixing
+    the mmap threshold (32 MiB, glibc's largest) serves smaller tensors from the heap, and the trim
+    threshold keeps the heap's free top; the price is that the process stays at its peak size.
+    Elsewhere than glibc, nothing changes."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -167,13 +167,13 @@ class BucketedAttention:
     def plan(self, meta: BatchMeta, block_size: int) -> None:
         lens, ctx = meta.query_lens, meta.host_context_lens
         tables = meta.block_tables.cpu().long()
+        step = max(KEY_BUCKET, block_size)  # buckets of whole blocks
         ones = next((i for i, n in enumerate(lens) if n > 1), len(lens))
         # (rows of the step, their sequences' blocks: one row each or one for all, [rows, 1, 1, b] keys past
         # each row's position)
         self.meta, self.groups = meta, []
 
         def add(rows: torch.Tensor, tables: torch.Tensor, keys: torch.Tensor) -> None:
-            step = max(KEY_BUCKET, block_size)  # whole blocks
             bucket = (keys + step - 1) // step * step
             for b in bucket.unique().tolist():
                 at = (bucket == b).nonzero()[:, 0]

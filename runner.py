@@ -328,8 +328,8 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
     if p.top_p < 1:
-        # Only the likeliest tokens can make the nucleus. On CPU sort just the TOP_P_HEAD likeliest (a
-        # whole 49,152-token vocabulary takes 4 ms on 2 cores), and all only if they fall short of top_p.
+        # Only the likeliest tokens can make the nucleus. On CPU, where sorting a whole vocabulary is slow
+        # (README), sort just the TOP_P_HEAD likeliest, and all only if they fall short of top_p.
         head, order = probs.topk(probs.numel() if probs.is_cuda else min(TOP_P_HEAD, probs.numel()))
         if len(order) < len(probs) and float(head.sum()) < p.top_p:
             head, order = probs.sort(descending=True)
@@ -340,7 +340,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
         probs, ids = head.masked_fill(drop, 0), order if ids is None else ids[order]
     # Inverse CDF: one uniform number u in (0, 1] per draw, and the first token whose cumulative mass
     # reaches u * total. A token of mass 0 adds nothing to the sum, so it is never the first to reach it.
-    # (torch.multinomial draws an exponential per vocabulary entry: 1 ms of a 2-core CPU per sequence.)
+    # (torch.multinomial would draw a random number per vocabulary entry.)
     cdf = probs.double().cumsum(0)
     u = 1 - torch.rand((), dtype=torch.float64, device=row.device, generator=generator)
     token = torch.searchsorted(cdf, u * cdf[-1])
