@@ -30,6 +30,7 @@ def has_bf16_units() -> bool:
 
 ROW_TILE = 64   # rows per matmul call: see TiledLinear
 KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
+CALL_BYTES = 4 << 20  # the keys one of its batched matmuls reads, at most (as many values)
 
 
 def optimize(model: Transformer, quantization: str | None) -> None:
@@ -148,61 +149,63 @@ class Int4Linear(nn.Module):
 
 
 class BucketedAttention:
-    """Paged attention for every query token of a step, prefill or decode, computed one way: scores and
-    softmax in float32, the weighted values in the cache's dtype (see weighted()).
-    A token at position p reads its sequence's first b keys, b = p + 1 rounded up to a multiple of
-    KEY_BUCKET, those past p masked: per KV head one matmul for its group of queries' scores ([group, dim]
-    by [dim, b]) and one for the weighted values ([group, b] by [b, dim]), softmax over all b. Matmul
-    libraries pick their kernel, and so the order in which they sum, by shape and operand layout; every
-    shape here follows from the token's position alone, and every layout is the same in every path. So
-    a token's result depends on its sequence and position alone: not on its batch, on where its prompt
-    was cut, or on whether it ran as a prefill or a decode.
-    Tokens with the same b run together: the one-token sequences (decodes) as one batch, each with its
-    own keys; a prefill piece's tokens against its sequence's keys, shared (a stride-0 batch, not copies).
+    """Paged attention for every query token of a step, prefill or decode, computed one way.
+    A token at position p reads its sequence's first b keys, b = p + 1 rounded up (key_bucket), those
+    past p masked. Tokens with the same b run together, each as its own item of two batched matmuls:
+    scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values ([heads, b] by
+    [b, kv_heads * dim]), the softmax between them in the cache's dtype (in bfloat16 the scores and the
+    weights are rounded to it around a float32 softmax, where HF's eager attention rounds them).
+    Matmul libraries pick their kernel, and so the order in which they sum, by shape and operand
+    layout. Every shape here follows from the token's position, and every item's keys and values are
+    laid out the same way in every path, so a token's result depends on its sequence and position
+    alone: not on its batch, on where its prompt was cut, or on whether it ran as a prefill or a decode.
+    That is why a prefill piece's tokens each get their own copy of their sequence's keys (oneDNN
+    would copy a shared, stride-0 batch anyway), and why no batch has one item (float32's batched
+    matmul takes another kernel for a lone item). Copies are made CALL_BYTES at a time.
     What depends only on the block tables is planned by the first layer's call of a step and reused."""
 
     def __init__(self):
         self.meta: BatchMeta | None = None  # what the plan below was made for
 
-    def plan(self, meta: BatchMeta, block_size: int) -> None:
-        lens, ctx = meta.query_lens, meta.host_context_lens
+    def plan(self, meta: BatchMeta, k_cache: torch.Tensor) -> None:
+        block_size, key_bytes = k_cache.shape[1], k_cache[0, 0].nbytes
+        lens, ctx = torch.tensor(meta.query_lens), torch.tensor(meta.host_context_lens)
+        seq = torch.arange(len(lens)).repeat_interleave(lens)  # each query row's sequence
+        # a row's position: its sequence's context length, less the rows after it in its piece
+        pos = ctx[seq] - lens.cumsum(0)[seq] + torch.arange(len(seq))
+        bucket = key_bucket(pos + 1, max(KEY_BUCKET, block_size))
         tables = meta.block_tables.cpu().long()
-        step = max(KEY_BUCKET, block_size)  # buckets of whole blocks
-        ones = next((i for i, n in enumerate(lens) if n > 1), len(lens))
-        # (rows of the step, their sequences' blocks: one row each or one for all, [rows, 1, 1, b] keys past
-        # each row's position)
-        self.meta, self.groups = meta, []
-
-        def add(rows: torch.Tensor, tables: torch.Tensor, keys: torch.Tensor) -> None:
-            bucket = (keys + step - 1) // step * step
-            for b in bucket.unique().tolist():
-                at = (bucket == b).nonzero()[:, 0]
-                blocks = F.pad(tables, (0, b // block_size))[:, :b // block_size]
-                hidden = (torch.arange(b) >= keys[at, None])[:, None, None]
-                self.groups.append((rows[at], blocks if len(blocks) == 1 else blocks[at], hidden))
-        if ones:  # a decode's one token sees its whole context
-            add(torch.arange(ones), tables[:ones], torch.tensor(ctx[:ones]))
-        start = ones
-        for i in range(ones, len(lens)):  # a prefill piece: row j sits at position ctx - n + j
-            n = lens[i]
-            add(torch.arange(start, start + n), tables[i:i + 1], torch.arange(ctx[i] - n, ctx[i]) + 1)
-            start += n
+        kv_heads = k_cache.shape[2]
+        self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see below
+        self.meta, self.calls = meta, []
+        for b in bucket.unique().tolist():
+            rows = (bucket == b).nonzero()[:, 0]
+            per = max(2, CALL_BYTES // (b * key_bytes))
+            for i in range(0, len(rows), per):
+                r = rows[i:i + per]
+                if len(r) == 1:  # run a lone row with the one before it, or twice
+                    r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
+                blocks = F.pad(tables[seq[r]], (0, b // block_size))[:, :b // block_size]
+                self.calls.append((r, blocks, (torch.arange(b) > pos[r, None])[:, None]))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                  scale: float) -> torch.Tensor:
         if meta is not self.meta:
-            self.plan(meta, k_cache.shape[1])
-        q = (query.float() * scale).view(query.shape[0], k_cache.shape[2], -1, query.shape[2])
-        out = torch.empty_like(q)  # [tokens, kv_heads, group, dim]
-        for rows, blocks, hidden in self.groups:
-            # Each head's keys and values contiguous: a batched matmul copies any other layout, a
-            # prefill piece's stride-0 batch once per row.
-            k, v = (gather_keys(c, blocks, hidden.shape[-1]) for c in (k_cache, v_cache))
-            k = k.to(torch.float32, memory_format=torch.contiguous_format)
-            s = per_head(q[rows], k.transpose(2, 3)).masked_fill_(hidden, float("-inf"))
-            p = s.sub_(s.amax(-1, keepdim=True)).exp_()  # [rows, kv_heads, group, b]
-            out[rows] = weighted(p, v.contiguous())
-        return out.view(query.shape).to(query.dtype)
+            self.plan(meta, k_cache)
+        n, heads, dim = query.shape
+        kv_heads = k_cache.shape[2]
+        # Grouped-query attention without a copy of the keys per query head: query head h is laid out
+        # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
+        # identity, exact), so one matmul with the keys as gathered gives every head its scores.
+        q = ((query * scale).view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
+        out = torch.empty(n, kv_heads, heads // kv_heads, dim, dtype=query.dtype)
+        for rows, blocks, hidden in self.calls:
+            k, v = (gather_keys(c, blocks) for c in (k_cache, v_cache))
+            s = torch.bmm(q[rows], k.transpose(1, 2)).masked_fill_(hidden, float("-inf"))
+            o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
+            # Backwards: head h's result is the slice of its row that belongs to its KV head.
+            out[rows] = o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+        return out.view(query.shape)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
@@ -213,27 +216,20 @@ class BucketedAttention:
         return self(query, k_cache, v_cache, meta, scale)
 
 
-def gather_keys(cache: torch.Tensor, blocks: torch.Tensor, b: int) -> torch.Tensor:
-    """The first b slots of each row of blocks ([sequences, b / block_size] block ids) as
-    [sequences, kv_heads, b, dim] (a view). A block is one contiguous row of the cache, so the gather is
-    a row index_select: a memcpy per block."""
+def key_bucket(n: torch.Tensor, smallest: int) -> torch.Tensor:
+    """How many keys tokens that see n keys read: n rounded up to a multiple of the largest power of two
+    at most n / 8, or of smallest (a power of two) if that is larger. Past 8 * smallest keys at most an
+    eighth of the keys read are masked, and long contexts fall into few buckets."""
+    e = torch.frexp(n.double())[1]  # 2 ** (e - 1) <= n < 2 ** e
+    step = (1 << (e - 4).clamp_min(0)).clamp_min(smallest)
+    return (n + step - 1) // step * step
+
+
+def gather_keys(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The slots of blocks ([rows, n] block ids) as [rows, n * block_size, kv_heads * dim], contiguous. A
+    block is one contiguous row of the cache, so the gather is a row index_select: a memcpy per block."""
     x = cache.view(cache.shape[0], -1).index_select(0, blocks.flatten())
-    return x.view(len(blocks), b, *cache.shape[2:]).transpose(1, 2)
-
-
-def per_head(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [rows, kv_heads, m, k] by b [rows or 1, kv_heads, k, n]: a matmul per row and KV head, one batch
-    per head. A b of one sequence serves every row as a stride-0 batch (a prefill piece's keys). One batch
-    of rows and heads together would sum decodes in another order than prefill tokens."""
-    return torch.stack([torch.bmm(a[:, h], b[:, h].expand(len(a), -1, -1)) for h in range(b.shape[1])], 1)
-
-
-def weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Weights p [rows, kv_heads, group, b] (float32) times values v [rows, kv_heads, b, dim], normalised
-    by the weights' sum, in float32. The matmul runs in v's dtype: in bfloat16 the weights are rounded to
-    it first, as HF's eager attention rounds them, and the matmul sums in float32 but rounds its result
-    (README: why)."""
-    return per_head(p.to(v.dtype), v).float() / p.sum(-1, keepdim=True)
+    return x.view(len(blocks), -1, cache.shape[2] * cache.shape[3])
 
 
 def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
