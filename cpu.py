@@ -28,14 +28,22 @@ def has_bf16_units() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
-ROW_TILE = 64   # rows per matmul call: see TiledLinear
+ROW_TILE = 64   # the most rows per matmul call: see row_tile
 KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
 CALL_BYTES = 4 << 20  # the keys one of its batched matmuls reads, at most (as many values)
 
 
-def optimize(model: Transformer, quantization: str | None) -> None:
+def row_tile(max_num_seqs: int) -> int:
+    """Rows per matmul call in an engine of max_num_seqs sequences: that many rounded up to a power of
+    two, from 16 to ROW_TILE. A full decode step fits one tile, and an engine serving a few sequences
+    does not pay for 64 rows per token (README: what it costs); prefill chunks take several tiles."""
+    return min(ROW_TILE, max(16, 1 << (max_num_seqs - 1).bit_length()))
+
+
+def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) -> None:
     """Swap the fast CPU forms into model, in place."""
     keep_freed_memory()
+    tile = row_tile(max_num_seqs)
     model.attention, model.store_kv = BucketedAttention(), store_finite_kv
     _replace(model, nn.RMSNorm, FusedRMSNorm)
     dtype, flags = model.embed.weight.dtype, _cpu_flags()
@@ -46,8 +54,8 @@ def optimize(model: Transformer, quantization: str | None) -> None:
     def tiled(linear: nn.Linear) -> TiledLinear:
         # int4 for the layers only: GGUF files keep the LM head at 8 bits, so do we.
         if quantization == "int4" and linear is not model.lm_head:
-            return TiledLinear(Int4Linear(linear.weight))
-        return TiledLinear(PackedLinear(linear.weight) if packs else linear)
+            return TiledLinear(Int4Linear(linear.weight), tile)
+        return TiledLinear(PackedLinear(linear.weight, tile) if packs else linear, tile)
     _replace(model, nn.Linear, tiled)
 
 
@@ -89,30 +97,30 @@ class FusedRMSNorm(nn.Module):
 
 
 class TiledLinear(nn.Module):
-    """A linear layer run ROW_TILE rows at a time, the last tile padded with zero rows, so that the matmul
+    """A linear layer run `tile` rows at a time, the last tile padded with zero rows, so that the matmul
     library sees one shape whatever the batch. Matmul libraries pick their kernel by shape (a lone row
     takes a matrix-vector path; oneDNN's bfloat16 changes kernel with the row count), and kernels sum a
     row's products in different orders: without tiles a row's bits would follow its batch. With one
     shape there is one kernel, and a blocked matmul computes every row of it the same way."""
 
-    def __init__(self, matmul: nn.Module):
+    def __init__(self, matmul: nn.Module, tile: int):
         super().__init__()
-        self.matmul = matmul
+        self.matmul, self.tile = matmul, tile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        if n % ROW_TILE:
-            x = F.pad(x, (0, 0, 0, -n % ROW_TILE))
-        return (self.matmul(x) if n <= ROW_TILE else torch.cat([self.matmul(t) for t in x.split(ROW_TILE)]))[:n]
+        n, tile = x.shape[0], self.tile
+        if n % tile:
+            x = F.pad(x, (0, 0, 0, -n % tile))
+        return (self.matmul(x) if n <= tile else torch.cat([self.matmul(t) for t in x.split(tile)]))[:n]
 
 
 class PackedLinear(nn.Module):
-    """A weight reordered once into oneDNN's blocked layout for ROW_TILE-row inputs, instead of on every
+    """A weight reordered once into oneDNN's blocked layout for `rows`-row inputs, instead of on every
     call. A tied LM head gets its own packed copy; the embedding stays a plain table."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, rows: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, ROW_TILE), requires_grad=False)
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight, rows), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")

@@ -100,7 +100,7 @@ class ModelRunner:
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         self.model.load_hf_state_dict(state)
         if self.device.type == "cpu":
-            cpu.optimize(self.model, c.quantization)
+            cpu.optimize(self.model, c.quantization, c.max_num_seqs)
 
     def _allocate_kv(self) -> None:
         """The KV pool: a fixed size, or what the memory knobs leave once the weights are in."""

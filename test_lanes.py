@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import pytest
 
+import cpu
 import weights
 from engine import LLM, SamplingParams
 from model import ModelConfig
@@ -91,3 +92,12 @@ def test_lanes_alone_equal_lanes_together_in_every_path(model, shared_prefixes, 
         assert run(llm, requests) == expected, preemption
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_lanes_in_an_engine_of_few_sequences(model, shared_prefixes, mode):
+    # max_num_seqs 4: matmuls run 16 rows at a time (cpu.row_tile), so a 64-token budget's prefill
+    # chunks take several tiles beside the decodes.
+    llm = engine(model, mode, max_num_seqs=4, max_num_batched_tokens=64)
+    assert {m.tile for m in llm.runner.model.modules() if isinstance(m, cpu.TiledLinear)} == {16}
+    assert run(llm, shared_prefixes) == alone(llm, shared_prefixes)
