@@ -1,6 +1,7 @@
-"""CPU fast paths, an appendix to model.py and attention_cuda: the same arithmetic as the textbook forms
-there, arranged to run faster on a CPU (and, with --quantization int4, the checkpoint's own 4-bit
-weights). optimize() swaps them into a loaded model once; the README has the measurements."""
+"""CPU fast paths, an appendix to model.py and attention_cuda: the computations of the textbook forms
+there, arranged to run faster on a CPU (in bfloat16 the attention rounds where HF's eager attention
+does; with --quantization int4, the checkpoint's own 4-bit weights). optimize() swaps them into a
+loaded model once; the README has the measurements."""
 from __future__ import annotations
 
 import ctypes
