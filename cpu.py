@@ -185,7 +185,7 @@ class BucketedAttention:
         bucket = key_bucket(pos + 1, max(KEY_BUCKET, block_size))
         tables = meta.block_tables.cpu().long()
         kv_heads = k_cache.shape[2]
-        self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see below
+        self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
         self.meta, self.calls = meta, []
         for b in bucket.unique().tolist():
             rows = (bucket == b).nonzero()[:, 0]
