@@ -210,10 +210,10 @@ class BucketedAttention:
         out = torch.empty(n, kv_heads, heads // kv_heads, dim, dtype=query.dtype)
         for rows, blocks, hidden in self.calls:
             k, v = (gather_keys(c, blocks) for c in (k_cache, v_cache))
-            s = torch.bmm(q[rows], k.transpose(1, 2)).masked_fill_(hidden, float("-inf"))
+            s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).masked_fill_(hidden, float("-inf"))
             o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
             # Backwards: head h's result is the slice of its row that belongs to its KV head.
-            out[rows] = o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
+            out.index_copy_(0, rows, o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
         return out.view(query.shape)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
