@@ -1,5 +1,5 @@
-"""bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, bench_kernel.py on CPU, --base-url
-against a stub OpenAI server (usage checked, time limit honoured), and bad arguments."""
+"""bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, bench_kernel.py on CPU,
+bench_ab.py, --base-url against a stub OpenAI server (usage checked, time limit honoured), and bad arguments."""
 import json
 import os
 import socket
@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import bench_ab
 import bench_kernel
 from bench import main
 
@@ -61,6 +62,22 @@ def test_offline(tmp_path, capsys):
     assert o["output_tokens"] == o["requested_output_tokens"] == sum(o["output_lens"])
     assert all(4 <= n <= 8 for n in o["prompt_lens"] + o["output_lens"]) and o["output_throughput"] > 0
     assert "Offline: 3/3 sequences" in out
+
+
+def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
+    # This checkout against itself: the same workload, so the same steps on both sides.
+    argv = [HERE, *SMALL, "--num-seqs", "3", "--waves", "2", "--max-tokens", "3", "--prompt-len", "4", "20"]
+    assert bench_ab.main(argv) == 0
+    this, other, ratio = capfd.readouterr().out.splitlines()
+    assert this.startswith("this: ") and other.startswith(HERE + ": ") and ratio.startswith("this / other: ")
+    steps = [[part.split()[0] for part in line.split(";")[1:]] for line in (this, other)]
+    assert steps[0] == steps[1] and int(steps[0][1]) >= 2
+    # A checkout whose engine does not load: one line says why, and nothing is left running.
+    (tmp_path / "engine.py").write_text("raise ImportError('no engine here')\n")
+    assert bench_ab.main([str(tmp_path), *SMALL, "--num-seqs", "1"]) == 1
+    err = capfd.readouterr().err
+    assert f"{tmp_path}: ImportError: no engine here" in err and "a worker failed to start" in err
+    assert "Traceback" not in err
 
 
 def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_path, capsys):
