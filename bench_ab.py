@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                               stdout=subprocess.PIPE, text=True) for r in roots]
     totals = [[0.0, 0, 0.0, 0] for _ in roots]  # prefill seconds and steps, decode seconds and steps
     try:
-        if any(proc.stdout.readline().strip() != "ready" for proc in procs):
+        if any(proc.stdout.readline().strip() != "ready" for proc in procs[::-1]):  # a broken other fails first
             raise RuntimeError("a worker failed to start (why is above)")
         running = [True, True]
         while any(running):
