@@ -17,26 +17,30 @@ import sys
 import time
 from dataclasses import fields
 
-from config import EngineConfig, add_cli_args, from_cli_args
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def worker(args) -> None:
-    """Load args.worker's engine, then take one step per line read; answer [seconds, prefill?] or null."""
-    sys.path.insert(0, args.worker)
-    from engine import Engine
-    from sequence import SamplingParams
-    engine = Engine(**json.loads(args.knobs))
+def worker(root: str, job: dict) -> int:
+    """root's engine on job's workload, one step per line read; answers [seconds, prefill?], then null.
+    Nothing of the project is imported before this, so that every module comes from root."""
+    sys.path[0] = root  # in place of this file's directory
+    try:
+        from engine import Engine
+        from sequence import SamplingParams
+        engine = Engine(**job["knobs"])
+    except Exception as e:  # the parent says which worker failed; this line says why
+        print(f"{root}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     rng = random.Random(0)
-    left: dict[str, int] = {}
+    left: dict[str, int] = {}  # request id -> requests its client has still to send after it
 
     def send(waves: int) -> None:
-        ids = [rng.randrange(1000, 20000) for _ in range(rng.randint(*args.prompt_len))]
-        left[engine.add_request(ids, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0))] = waves
+        ids = [rng.randrange(1000, 20000) for _ in range(rng.randint(*job["prompt_len"]))]
+        params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True, temperature=0)
+        left[engine.add_request(ids, params)] = waves
 
-    for _ in range(args.num_seqs):
-        send(args.waves - 1)
+    for _ in range(job["num_seqs"]):
+        send(job["waves"] - 1)
     print("ready", flush=True)
     s = engine.scheduler
     for _ in sys.stdin:
@@ -50,34 +54,23 @@ def worker(args) -> None:
         for o in outputs:
             if o.finished and (waves := left.pop(o.request_id)):
                 send(waves - 1)
-
-
-def positive(text: str) -> int:
-    if not text.isdecimal() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return int(text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Here, not at the top: a worker must not have imported this checkout's modules.
+    from bench import _number
+    from config import EngineConfig, add_cli_args, from_cli_args
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("other", help="the other checkout's directory")
-    p.add_argument("--num-seqs", type=positive, default=64, help="clients")
-    p.add_argument("--waves", type=positive, default=2, help="requests per client, one after the other")
-    p.add_argument("--prompt-len", type=positive, nargs=2, default=[53, 53], metavar=("MIN", "MAX"))
-    p.add_argument("--max-tokens", type=positive, default=128)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--knobs", help=argparse.SUPPRESS)
+    p.add_argument("--num-seqs", type=_number(int), default=64, help="clients")
+    p.add_argument("--waves", type=_number(int), default=2, help="requests per client, one after the other")
+    p.add_argument("--prompt-len", type=_number(int), nargs=2, default=[53, 53], metavar=("MIN", "MAX"))
+    p.add_argument("--max-tokens", type=_number(int), default=128)
     add_cli_args(p, "engine (both engines get the knobs set here, which the other checkout must know too)")
     args = p.parse_args(argv)
     if args.prompt_len[0] > args.prompt_len[1]:
         p.error("--prompt-len: MIN is over MAX")
-    if args.worker:
-        try:
-            worker(args)
-        except Exception as e:  # the parent says which worker failed; this line says why
-            print(f"{args.worker}: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        return 0
     try:
         from_cli_args(args)
     except ValueError as e:
@@ -87,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_ab.py: no engine.py in {roots[1]}", file=sys.stderr)
         return 2
     # Only the knobs that differ from this checkout's defaults, so that an older engine gets its own.
-    knobs = {f.name: v for f in fields(EngineConfig) if "help" in f.metadata and (v := getattr(args, f.name)) != f.default}
-    argv = [args.other, "--num-seqs", str(args.num_seqs), "--waves", str(args.waves), "--max-tokens",
-            str(args.max_tokens), "--prompt-len", *map(str, args.prompt_len), "--knobs", json.dumps(knobs)]
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", r], stdin=subprocess.PIPE,
+    job = {"knobs": {f.name: v for f in fields(EngineConfig) if "help" in f.metadata
+                     and (v := getattr(args, f.name)) != f.default},
+           "num_seqs": args.num_seqs, "waves": args.waves, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", r, json.dumps(job)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for r in roots]
     totals = [[0.0, 0, 0.0, 0] for _ in roots]  # prefill seconds and steps, decode seconds and steps
     try:
@@ -125,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker(sys.argv[2], json.loads(sys.argv[3])) if sys.argv[1:2] == ["--worker"] else main())

@@ -72,12 +72,14 @@ def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
     assert this.startswith("this: ") and other.startswith(HERE + ": ") and ratio.startswith("this / other: ")
     steps = [[part.split()[0] for part in line.split(";")[1:]] for line in (this, other)]
     assert steps[0] == steps[1] and int(steps[0][1]) >= 2
-    # A checkout whose engine does not load: one line says why, and nothing is left running.
-    (tmp_path / "engine.py").write_text("raise ImportError('no engine here')\n")
+    # A checkout whose engine does not load: one line says why, and nothing is left running. Its engine
+    # imports its own modules, not this checkout's.
+    (tmp_path / "sequence.py").write_text("")
+    (tmp_path / "engine.py").write_text("import sequence\nraise ImportError('no engine; ' + sequence.__file__)\n")
     assert bench_ab.main([str(tmp_path), *SMALL, "--num-seqs", "1"]) == 1
     err = capfd.readouterr().err
-    assert f"{tmp_path}: ImportError: no engine here" in err and "a worker failed to start" in err
-    assert "Traceback" not in err
+    assert f"{tmp_path}: ImportError: no engine; {tmp_path / 'sequence.py'}" in err
+    assert "a worker failed to start" in err and "Traceback" not in err
 
 
 def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_path, capsys):
