@@ -140,7 +140,10 @@ class Transformer(nn.Module):
                  tp_size: int = 1):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
+        # Given its (meta) weight, the embedding skips reset_parameters, which on the meta device would
+        # import torch._dynamo: 1.4 s in every process that builds a model.
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"))
         self.layers = nn.ModuleList(Block(config, tp_size) for _ in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps, device="meta")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
