@@ -31,6 +31,7 @@ def has_bf16_units() -> bool:
 
 ROW_TILE = 64   # the most rows per matmul call: see row_tile
 KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
+GROUP = 64  # prompt positions per attention item: see BucketedAttention (KEY_BUCKET is a multiple)
 CALL_BYTES = 4 << 20  # the keys one of its batched matmuls reads, at most (as many values)
 
 
@@ -158,44 +159,79 @@ class Int4Linear(nn.Module):
 
 
 class BucketedAttention:
-    """Paged attention for every query token of a step, prefill or decode, computed one way.
+    """Paged attention for every query token of a step, prefill or decode, each token computed one way.
     A token at position p reads its sequence's first b keys, b = p + 1 rounded up (key_bucket), those
-    past p masked. Tokens with the same b run together, each as its own item of two batched matmuls:
-    scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values ([heads, b] by
-    [b, kv_heads * dim]), the softmax between them in the cache's dtype (in bfloat16 the scores and the
-    weights are rounded to it around a float32 softmax, where HF's eager attention rounds them).
-    Matmul libraries pick their kernel, and so the order in which they sum, by shape and operand
-    layout. Every shape here follows from the token's position, and every item's keys and values are
-    laid out the same way in every path, so a token's result depends on its sequence and position
-    alone: not on its batch, on where its prompt was cut, or on whether it ran as a prefill or a decode.
-    That is why a prefill piece's tokens each get their own copy of their sequence's keys (oneDNN
-    would copy a shared, stride-0 batch anyway), and why no batch has one item (float32's batched
-    matmul takes another kernel for a lone item). Copies are made CALL_BYTES at a time.
+    past p masked. The batched matmuls come in two forms, by the token's kind:
+    - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and
+      weighted values ([heads, b] by [b, kv_heads * dim]). Items with the same b run together.
+    - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each
+      KV head its own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]). The
+      positions a step does not bring are rows of zeros. Neighbours share one copy of their keys where a
+      generated token needs its own, so a long prompt takes GROUP times fewer copies and items. Key
+      buckets are multiples of GROUP: every position of a group has the same b.
+    The softmax runs between the matmuls in the cache's dtype (in bfloat16 the scores and the weights are
+    rounded to it around a float32 softmax, where HF's eager attention rounds them).
+    Matmul libraries pick their kernel, and so the order in which they sum, by shape and operand layout,
+    and a blocked matmul computes each row of one shape the same way. Every shape here follows from the
+    token's position and kind, and every item's keys and values are laid out the same way in every path,
+    so a token's result depends on its sequence and position alone: not on its batch, on where its
+    prompt was cut, or on what else its group holds this step. The kind is the sequence's too: positions
+    before the prompt's end are prompt tokens, computed at first or recomputed after a preemption, and
+    the prefix cache keeps prompt blocks only (kv_cache.BlockManager). That is also why a generated
+    token gets its own copy of its sequence's keys (oneDNN would copy a shared, stride-0 batch anyway),
+    and why no batch has one item (float32's batched matmul takes another kernel for a lone item): a
+    lone item runs twice. Copies are made CALL_BYTES at a time.
     What depends only on the block tables is planned by the first layer's call of a step and reused."""
 
     def __init__(self):
         self.meta: BatchMeta | None = None  # what the plan below was made for
 
     def plan(self, meta: BatchMeta, k_cache: torch.Tensor) -> None:
-        block_size, key_bytes = k_cache.shape[1], k_cache[0, 0].nbytes
+        block_size, key_bytes, kv_heads = k_cache.shape[1], k_cache[0, 0].nbytes, k_cache.shape[2]
         lens, ctx = torch.tensor(meta.query_lens), torch.tensor(meta.host_context_lens)
         seq = torch.arange(len(lens)).repeat_interleave(lens)  # each query row's sequence
         # a row's position: its sequence's context length, less the rows after it in its piece
         pos = ctx[seq] - lens.cumsum(0)[seq] + torch.arange(len(seq))
-        bucket = key_bucket(pos + 1, max(KEY_BUCKET, block_size))
+        smallest = max(KEY_BUCKET, block_size)
+        bucket = key_bucket(pos + 1, smallest)
+        prompt = pos < torch.tensor(meta.prompt_lens, dtype=torch.long)[seq]
         tables = meta.block_tables.cpu().long()
-        kv_heads = k_cache.shape[2]
         self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
-        self.meta, self.calls = meta, []
-        for b in bucket.unique().tolist():
-            rows = (bucket == b).nonzero()[:, 0]
+        self.meta, self.token_calls, self.group_calls = meta, [], []
+
+        def blocks(seqs: torch.Tensor, b: int) -> torch.Tensor:  # their first b keys' blocks, block 0 past the end
+            return F.pad(tables[seqs], (0, b // block_size))[:, :b // block_size]
+
+        for b in bucket[~prompt].unique().tolist():
+            rows = ((bucket == b) & ~prompt).nonzero()[:, 0]
             per = max(2, CALL_BYTES // (b * key_bytes))
             for i in range(0, len(rows), per):
                 r = rows[i:i + per]
                 if len(r) == 1:  # run a lone row with the one before it, or twice
                     r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
-                blocks = F.pad(tables[seq[r]], (0, b // block_size))[:, :b // block_size]
-                self.calls.append((r, blocks, (torch.arange(b) > pos[r, None])[:, None]))
+                self.token_calls.append((r, blocks(seq[r], b), (torch.arange(b) > pos[r, None])[:, None]))
+        rows = prompt.nonzero()[:, 0]
+        if not len(rows):
+            return
+        # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query slots hold the row
+        # at that position, or len(seq): the row of zeros __call__ appends.
+        span = int(ctx.max()) // GROUP + 1
+        ids, group = (seq[rows] * span + pos[rows] // GROUP).unique(return_inverse=True)
+        slots = torch.full((len(ids), GROUP), len(seq))
+        slots[group, pos[rows] % GROUP] = rows
+        first = ids % span * GROUP  # each group's first position
+        bucket = key_bucket(first + GROUP, smallest)  # the bucket of every position in the group
+        for b in bucket.unique().tolist():
+            members = (bucket == b).nonzero()[:, 0]
+            per = max(1, CALL_BYTES // (b * key_bytes))
+            for i in range(0, len(members), per):
+                g = members[i:i + per]
+                run = g.repeat(2) if len(g) * kv_heads == 1 else g
+                hidden = torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None]
+                index = slots[g].flatten()
+                present = (index < len(seq)).nonzero()[:, 0]
+                self.group_calls.append((slots[run].flatten(), blocks(ids[run] // span, b), hidden,
+                                         index[present], present))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                  scale: float) -> torch.Tensor:
@@ -203,25 +239,42 @@ class BucketedAttention:
             self.plan(meta, k_cache)
         n, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
-        # Grouped-query attention without a copy of the keys per query head: query head h is laid out
-        # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
-        # identity, exact), so one matmul with the keys as gathered gives every head its scores.
-        q = ((query * scale).view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
-        out = torch.empty(n, kv_heads, heads // kv_heads, dim, dtype=query.dtype)
-        for rows, blocks, hidden in self.calls:
-            k, v = (gather_keys(c, blocks) for c in (k_cache, v_cache))
-            s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).masked_fill_(hidden, float("-inf"))
-            o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
-            # Backwards: head h's result is the slice of its row that belongs to its KV head.
-            out.index_copy_(0, rows, o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
-        return out.view(query.shape)
+        group_heads = heads // kv_heads
+        query = query * scale
+        out = torch.empty(n, kv_heads, group_heads, dim, dtype=query.dtype)
+        if self.token_calls:
+            # Grouped-query attention without a copy of the keys per query head: query head h is laid out
+            # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
+            # identity, exact), so one matmul with the keys as gathered gives every head its scores.
+            q = (query.view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
+            for rows, blocks, hidden in self.token_calls:
+                k, v = (gather_keys(c, blocks) for c in (k_cache, v_cache))
+                s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).masked_fill_(hidden, float("-inf"))
+                o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
+                # Backwards: head h's result is the slice of its row that belongs to its KV head.
+                out.index_copy_(0, rows, o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
+        if self.group_calls:
+            def by_kv_head(x: torch.Tensor, items: int, length: int) -> torch.Tensor:
+                """[items * length, kv_heads * width] as [items * kv_heads, length * width / dim, dim]."""
+                return x.view(items, length, kv_heads, -1).transpose(1, 2).reshape(items * kv_heads, -1, dim)
+
+            q = torch.cat((query, query.new_zeros(1, heads, dim)))
+            for index, blocks, hidden, rows, present in self.group_calls:
+                items, b = hidden.shape[0], hidden.shape[-1]
+                k, v = (by_kv_head(gather_keys(c, blocks), items, b) for c in (k_cache, v_cache))
+                s = torch.bmm(by_kv_head(q.index_select(0, index), items, GROUP), k.transpose(1, 2))
+                s.view(items, kv_heads, GROUP, group_heads, b).masked_fill_(hidden[:, None, :, None], float("-inf"))
+                o = torch.bmm(s.softmax(-1), v).view(items, kv_heads, GROUP, group_heads, dim).transpose(1, 2)
+                o = o.reshape(items * GROUP, kv_heads, group_heads, dim)
+                out.index_copy_(0, rows, o.index_select(0, present))
+        return out.view(n, heads, dim)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
         """attention_cuda.paged_attention's signature and result."""
         lens = context_lens.tolist()
         meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), torch.empty(0), 1,
-                         max(lens), [1] * len(lens), lens)
+                         max(lens), [1] * len(lens), lens, [0] * len(lens))
         return self(query, k_cache, v_cache, meta, scale)
 
 

@@ -143,9 +143,9 @@ class Engine:
         for seq, n in out.scheduled:
             if seq.queue_time is None:
                 seq.queue_time = time.monotonic() - seq.arrival_time
-            begin = seq.num_computed_tokens
-            self.num_prompt_tokens += max(0, min(begin + n, seq.num_prompt_tokens) - begin)
-            self.block_manager.publish(seq.block_table, seq.token_ids, begin, begin + n)
+            begin, prompt_end = seq.num_computed_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
+            self.num_prompt_tokens += max(0, prompt_end - begin)
+            self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end)
             seq.num_computed_tokens += n
         outputs = [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error)
                    for seq, token, logprob, error in sampled]

@@ -74,8 +74,11 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 
 class BlockManager:
     """A pool of block ids: an LRU-ordered free list and reference counts. With prefix caching,
-    every full block is published under its block_key, which names its whole prefix. A new sequence
-    whose prompt starts with the same blocks shares them (ref count + 1) instead of recomputing them.
+    every full block of a prompt is published under its block_key, which names its whole prefix. A new
+    sequence whose prompt starts with the same blocks shares them (ref count + 1) instead of recomputing
+    them. Blocks of generated tokens are neither published nor shared: on CPU a prompt token's
+    attention is computed otherwise than a generated one's (cpu.BucketedAttention), so they would not
+    hold what another sequence's prompt computes at those positions.
     Freed blocks keep their content and key until the pool hands them out again, oldest-freed first."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -137,7 +140,7 @@ class BlockManager:
         return len(block_table) * bs
 
     def publish(self, block_table: list[int], token_ids: list[int], start: int, end: int) -> None:
-        """Key the blocks that computing tokens start..end-1 has just filled."""
+        """Key the blocks that computing prompt tokens start..end-1 has just filled."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size

@@ -72,6 +72,8 @@ class BatchMeta:
     # them. Sequences with one query token come first (the decode path takes them together).
     query_lens: list[int]
     host_context_lens: list[int]
+    # Each sequence's prompt length: cpu.BucketedAttention computes prompt tokens otherwise than generated ones.
+    prompt_lens: list[int]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -35,6 +35,7 @@ class StepBatch:
     query_start_loc: list[int]
     sample_rows: list[int]
     query_lens: list[int]
+    prompt_lens: list[int]
 
 
 class ModelRunner:
@@ -179,7 +180,7 @@ class ModelRunner:
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
         return StepBatch(input_ids, positions, slot_mapping, tables, context_lens, starts, sample_rows,
-                         [n for _, n in scheduled]), sampled
+                         [n for _, n in scheduled], [seq.num_prompt_tokens for seq, _ in scheduled]), sampled
 
     def tensors(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         """Input ids, positions and metadata on the device, sent in pinned buffers: no copy waits on it.
@@ -189,7 +190,7 @@ class ModelRunner:
         i32, i64 = torch.int32, torch.int64
         meta = BatchMeta(send_(b.slot_mapping, i64), send_(b.block_tables, i32), send_(b.context_lens, i32),
                          send_(b.query_start_loc, i32), send_(b.sample_rows if self.rank == 0 else [], i64),
-                         max(b.query_lens), max(b.context_lens), b.query_lens, b.context_lens)
+                         max(b.query_lens), max(b.context_lens), b.query_lens, b.context_lens, b.prompt_lens)
         return send_(b.input_ids, i64), send_(b.positions, i64), meta
 
     def run(self, scheduled: list[tuple[Sequence, int]], swap_out: list[tuple[int, int]] = (),
@@ -365,13 +366,14 @@ class DecodeGraphs:
             context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
             sample_rows=torch.arange(n, device=dev), max_query_len=1, max_context_len=runner.max_model_len,
-            query_lens=[1] * n, host_context_lens=[])
+            query_lens=[1] * n, host_context_lens=[], prompt_lens=[])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         m = self.meta
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
             meta = BatchMeta(m.slot_mapping[:size], m.block_tables[:size], m.context_lens[:size],
-                             m.query_start_loc[:size + 1], m.sample_rows[:size], 1, m.max_context_len, [1] * size, [])
+                             m.query_start_loc[:size + 1], m.sample_rows[:size], 1, m.max_context_len, [1] * size,
+                             [], [])
             args = (self.ids[:size], self.pos[:size], meta, runner.kv_cache.layers)
             runner.model(*args)  # warm up: lazy initialisation must not happen during capture
             graph = torch.cuda.CUDAGraph()

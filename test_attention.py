@@ -109,26 +109,31 @@ def test_reference_decode_matches_naive():
 CPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-3, rtol=1.2e-2)}
 
 
-def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale):
+def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale, prompt_lens=None):
     """cpu.BucketedAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner
-    orders them."""
+    orders them; prompt_lens: each lane's (by default, every token a generated one)."""
     lens = [n for _, n in lanes]
     ctx = [c for c, _ in lanes]
     meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32), torch.empty(0),
-                     torch.empty(0), max(lens), max(ctx), lens, ctx)
+                     torch.empty(0), max(lens), max(ctx), lens, ctx, prompt_lens or [0] * len(lanes))
     return cpu.BucketedAttention()(query, k_cache, v_cache, meta, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads, head_dim, block_size", [((9, 3), 64, 16), ((4, 4), 128, 8), ((8, 1), 64, 32)])
-def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype):
+@pytest.mark.parametrize("kind", ["generated", "prompt", "both"])
+def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype, kind):
     # cpu.py's attention (keys in buckets) against the float64 loop: decodes and prefill pieces with
-    # earlier context, contexts within one bucket and across several, past 1,024 keys (wider buckets).
+    # earlier context, contexts within one bucket and across several, past 1,024 keys (wider buckets);
+    # generated tokens, prompt tokens (in groups), and both in one step and in one piece.
     lanes = [(1, 1), (block_size - 1, 1), (block_size, 1), (block_size + 1, 1), (300, 1), (37, 1), (1100, 1),
-             (7, 7), (50, 9), (2 * cpu.KEY_BUCKET + 5, 40), (block_size + 1, block_size + 1), (1030, 8)]
+             (7, 7), (50, 9), (2 * cpu.KEY_BUCKET + 5, 40), (block_size + 1, block_size + 1), (1030, 8),
+             (200, 150)]
+    prompt_lens = {"generated": None, "prompt": [c for c, _ in lanes],
+                   "both": [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]}[kind]
     batch = make_batch(head_dim + block_size, lanes, *heads, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
-    out = cpu_attention(*batch[:4], lanes, scale)
+    out = cpu_attention(*batch[:4], lanes, scale, prompt_lens)
     expected = naive_attention(*[x.double() if x.is_floating_point() else x for x in batch], scale,
                                rounded=dtype if dtype != torch.float32 else None)
     torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
@@ -139,13 +144,16 @@ def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_cpu_attention_token_depends_on_its_position_only(dtype):
+@pytest.mark.parametrize("prompt_len", [0, 150, 300])
+def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len):
     # One 300-token sequence (9 query heads over 3 KV heads, blocks of 16), its tokens computed as one
     # prefill piece, as pieces cut at other points (mid-block too), and one by one as decodes, each time
-    # beside other sequences of other lengths: every token's result is the same, bit for bit. Huge values
-    # left in slots past the sequence's end (by a block's former owner) change nothing.
+    # beside other sequences of other lengths and kinds: every token's result is the same, bit for bit,
+    # whether its sequence's first prompt_len tokens are its prompt (grouped) or not. Huge values left in
+    # slots past the sequence's end (by a block's former owner) change nothing.
     length, heads, kv_heads, dim, bs = 300, 9, 3, 64, 16
     others = [(5, 1), (700, 1), (33, 1), (129, 3), (400, 20)]
+    others_prompts = [0, 700, 0, 129, 390]
     query, k_cache, v_cache, tables, _, _ = make_batch(3, [(length, length)] + others, heads, kv_heads, dim, bs, dtype)
     q, table, rest = query[:length], tables[:1], query[length:]
     k_cache[tables[0, length // bs], length % bs:] = float("nan")
@@ -156,8 +164,9 @@ def test_cpu_attention_token_depends_on_its_position_only(dtype):
         order = sorted(range(len(lanes)), key=lambda i: lanes[i][1] > 1)
         rows = [q[a:b] for a, b in pieces] + list(rest.split([n for _, n in others]))
         t = torch.cat([table] * len(pieces) + [tables[1:]])
+        prompts = [prompt_len] * len(pieces) + others_prompts
         out = cpu_attention(torch.cat([rows[i] for i in order]), k_cache, v_cache, t[order],
-                            [lanes[i] for i in order], dim ** -0.5)
+                            [lanes[i] for i in order], dim ** -0.5, [prompts[i] for i in order])
         out = out.split([lanes[i][1] for i in order])
         return [out[order.index(i)] for i in range(len(pieces))]
 

@@ -198,3 +198,18 @@ def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):
     while not any(out.request_id == "long" for out in llm.step()):
         steps += 1
     assert steps + 1 == -(-4000 // 6)
+
+
+def test_prefix_cache_shares_prompt_blocks_only(tiny):
+    # A second turn's prompt holds the first turn's prompt and reply. Only the first prompt's full blocks
+    # are shared: on CPU a prompt token's attention runs otherwise than a generated token's
+    # (cpu.BucketedAttention), so the reply's blocks do not hold what the new prompt computes there, and
+    # the second turn's tokens are those of an engine that never saw the first.
+    knobs = dict(model=tiny, dummy_weights=True, num_kv_blocks=64, dtype="float32", device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(enable_prefix_caching=True, **knobs)
+    first = llm.generate([list(range(100, 140))], greedy)[0]  # blocks of 16: 2 of prompt, 1 mixed, 1 of reply
+    second = first.prompt_token_ids + first.token_ids + list(range(200, 210))
+    out = llm.generate([second], greedy)[0]
+    assert out.num_cached_tokens == 32
+    assert out.token_ids == LLM(**knobs).generate([second], greedy)[0].token_ids
