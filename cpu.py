@@ -202,17 +202,21 @@ class BucketedAttention:
         def blocks(seqs: torch.Tensor, b: int) -> torch.Tensor:  # their first b keys' blocks, block 0 past the end
             return F.pad(tables[seqs], (0, b // block_size))[:, :b // block_size]
 
-        for b in bucket[~prompt].unique().tolist():
-            rows = ((bucket == b) & ~prompt).nonzero()[:, 0]
-            per = max(2, CALL_BYTES // (b * key_bytes))
-            for i in range(0, len(rows), per):
-                r = rows[i:i + per]
-                if len(r) == 1:  # run a lone row with the one before it, or twice
-                    r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
-                self.token_calls.append((r, blocks(seq[r], b), (torch.arange(b) > pos[r, None])[:, None]))
+        def calls(buckets: torch.Tensor, least: int):
+            """Per call: b, every index whose bucket is b, and the call's indices (CALL_BYTES of keys, or least)."""
+            for b in buckets.unique().tolist():
+                members = (buckets == b).nonzero()[:, 0]
+                per = max(least, CALL_BYTES // (b * key_bytes))
+                for i in range(0, len(members), per):
+                    yield b, members, members[i:i + per]
+
+        generated = (~prompt).nonzero()[:, 0]
+        for b, rows, r in calls(bucket[generated], 2):
+            if len(r) == 1:  # run a lone row with the one before it, or twice
+                r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
+            r = generated[r]
+            self.token_calls.append((r, blocks(seq[r], b), (torch.arange(b) > pos[r, None])[:, None]))
         rows = prompt.nonzero()[:, 0]
-        if not len(rows):
-            return
         # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query slots hold the row
         # at that position, or len(seq): the row of zeros __call__ appends.
         span = int(ctx.max()) // GROUP + 1
@@ -220,18 +224,14 @@ class BucketedAttention:
         slots = torch.full((len(ids), GROUP), len(seq))
         slots[group, pos[rows] % GROUP] = rows
         first = ids % span * GROUP  # each group's first position
-        bucket = key_bucket(first + GROUP, smallest)  # the bucket of every position in the group
-        for b in bucket.unique().tolist():
-            members = (bucket == b).nonzero()[:, 0]
-            per = max(1, CALL_BYTES // (b * key_bytes))
-            for i in range(0, len(members), per):
-                g = members[i:i + per]
-                run = g.repeat(2) if len(g) * kv_heads == 1 else g
-                hidden = torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None]
-                index = slots[g].flatten()
-                present = (index < len(seq)).nonzero()[:, 0]
-                self.group_calls.append((slots[run].flatten(), blocks(ids[run] // span, b), hidden,
-                                         index[present], present))
+        # key_bucket(first + GROUP) is the bucket of every position in the group
+        for b, _, g in calls(key_bucket(first + GROUP, smallest), 1):
+            run = g.repeat(2) if len(g) * kv_heads == 1 else g
+            hidden = torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None]
+            index = slots[g].flatten()
+            present = (index < len(seq)).nonzero()[:, 0]
+            self.group_calls.append((slots[run].flatten(), blocks(ids[run] // span, b), hidden,
+                                     index[present], present))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                  scale: float) -> torch.Tensor:
