@@ -49,6 +49,8 @@ class SamplingParams:
                  (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
                  (0 < self.repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
                  (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]")])
+        if self.temperature < 1e-5:  # greedy, as in vLLM: logits divided by less can overflow float32
+            self.temperature = 0.0
 
 
 class Status(Enum):

@@ -22,6 +22,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -263,6 +264,10 @@ class Server:
 
     def _add(self, job: Submit, streams: dict[str, Stream]) -> None:
         waiting = self.engine.stats()["num_waiting"]
+        if len(job.seqs) > self.max_queue:  # never accepted: a 429 would have the client retry
+            job.replies.put(ApiError(400, f"this request has {len(job.seqs)} sequences (prompts times n), more "
+                                          f"than the server queues (--max-queue {self.max_queue})"))
+            return
         if waiting + len(job.seqs) > self.max_queue:
             job.replies.put(ApiError(429, f"{waiting} requests are waiting (--max-queue {self.max_queue}); "
                                           "retry later", code="rate_limit_exceeded"))
@@ -372,12 +377,17 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i:
     if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and len(s) <= 256 for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of at most 16, each at most 256 characters", "stop")
     if chat:
-        logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool, False) else None
+        top, wanted = _get(body, "top_logprobs", int, 0), _get(body, "logprobs", bool, False)
+        if not 0 <= top <= 20 or top and not wanted:
+            raise ApiError(400, "'top_logprobs' must be in [0, 20], and above 0 needs 'logprobs': true",
+                           "top_logprobs")
+        logprobs = top if wanted else None
     else:
         logprobs = _get(body, "logprobs", int)
     seed = _get(body, "seed", int)
     bias, stop_ids = _get(body, "logit_bias", dict, {}), _get(body, "stop_token_ids", list, [])
-    if not all(k.isdecimal() and type(v) in (int, float) and math.isfinite(v) for k, v in bias.items()):
+    if not all(k.isdecimal() and len(k) <= 10 and type(v) in (int, float) and math.isfinite(v)
+               for k, v in bias.items()):
         raise ApiError(400, "'logit_bias' must map token ids to numbers", "logit_bias")
     if not all(type(t) is int for t in stop_ids):
         raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
@@ -425,6 +435,7 @@ def _choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: li
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, which the openai client uses; streams go chunked
+    default_request_version = "HTTP/1.1"  # a request line without a version still gets a status line
     server_version = "laneserve"
     server: HTTPServer
 
@@ -444,11 +455,23 @@ class Handler(BaseHTTPRequestHandler):
         self.status = code
         super().send_response(code, message)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, an unknown method, oversized headers)
+        in OpenAI's envelope instead of its HTML page."""
+        self.close_connection = True
+        self._send(code, ApiError(code, message or HTTPStatus(code).phrase).body())
+
     def do_GET(self) -> None:
-        method, began, self.status, self.log_info = self.command, time.monotonic(), 0, {}
+        began, self.status, self.log_info = time.monotonic(), 0, {}
+        method = "GET" if self.command == "HEAD" else self.command  # HEAD: GET's headers, no body
+        if method not in ("GET", "POST"):
+            self.close_connection = True  # a body it may carry stays unread
         try:
             body = self._read_body() if method == "POST" else b""
-            self.route = path = urlsplit(self.path).path
+            try:
+                self.route = path = urlsplit(self.path).path
+            except ValueError:  # such as http://[/health
+                raise ApiError(400, f"malformed request target {self.path[:200]!r}") from None
             if path.startswith("/v1/") and self.app.api_key and not hmac.compare_digest(
                     self.headers.get("Authorization", "").encode("latin-1"), f"Bearer {self.app.api_key}".encode()):
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -462,6 +485,8 @@ class Handler(BaseHTTPRequestHandler):
                       ("POST", "/v1/chat/completions"): lambda: self._generate(body, chat=True),
                       ("POST", "/v1/completions"): lambda: self._generate(body, chat=False)}
             if (route := routes.get((method, path))) is None:
+                if allowed := [m for m, p in routes if p == path]:
+                    raise ApiError(405, f"{self.command} is not allowed on {path}, only {allowed[0]}")
                 raise ApiError(404, f"Invalid URL ({method} {path})")
             route()
         except ApiError as e:
@@ -471,23 +496,31 @@ class Handler(BaseHTTPRequestHandler):
             self.log_info["client"] = "gone"
         if self.app.log:
             info = "".join(f" {k}={v:.3f}s" if isinstance(v, float) else f" {k}={v}" for k, v in self.log_info.items())
-            print(f'{self.client_address[0]} "{method} {self.path[:200]}" {self.status}{info} '
+            print(f'{self.client_address[0]} "{self.command} {self.path[:200]}" {self.status}{info} '
                   f'duration={time.monotonic() - began:.3f}s', file=self.app.log, flush=True)
 
-    do_POST = do_GET
+    do_POST = do_HEAD = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_GET
 
     def _read_body(self) -> bytes:
         length = int(n) if (n := self.headers.get("Content-Length", "")).isdecimal() else -1
         if not 0 <= length <= self.app.max_body or "Transfer-Encoding" in self.headers:
             self.close_connection = True  # the unread body would be taken for the next request
             if length > self.app.max_body:
+                # Read and drop a body of up to 8 times the limit first: a client that sends all of its
+                # body before reading the answer would find the connection reset instead of the 413.
+                while 0 < length <= 8 * self.app.max_body and (chunk := self.rfile.read(min(length, 1 << 20))):
+                    length -= len(chunk)
                 raise ApiError(413, f"the request body is over {self.app.max_body} bytes")
             raise ApiError(411, "a request body needs a valid Content-Length")
         try:
-            return self.rfile.read(length)
+            body = self.rfile.read(length)
         except TimeoutError:
             self.close_connection = True
             raise ApiError(408, f"timed out after {self.app.timeout:g}s reading the request body") from None
+        if len(body) < length:  # the client closed its side before sending all of it
+            self.close_connection = True
+            raise ApiError(400, f"the request body ended after {len(body)} of its {length} bytes")
+        return body
 
     def _send(self, status: int, obj: dict | str, content_type: str = "application/json") -> None:
         data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
@@ -497,7 +530,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _engine(self) -> Engine:
         if self.app.dead or (self.app.engine and self.app.engine.failure):
@@ -517,6 +551,8 @@ class Handler(BaseHTTPRequestHandler):
         watcher that falls behind gets {"missed": n} and goes on from the oldest kept. While nothing
         happens, a comment every second finds a watcher that left."""
         self._engine()
+        if self.command == "HEAD":
+            return self._open_stream()
         events = self.app.steps
         with events.cond:
             events.watchers += 1
@@ -640,14 +676,18 @@ class Handler(BaseHTTPRequestHandler):
         n = _get(body, "n", int, 1)
         if not 1 <= n <= 128:
             raise ApiError(400, "'n' must be in [1, 128]", "n")
+        _get(body, "user", str)  # the client's own end-user id: checked, then unused
         stream = _get(body, "stream", bool, False)
-        usage_chunk = stream and _get(_get(body, "stream_options", dict, {}), "include_usage", bool, False)
+        usage_chunk = _get(_get(body, "stream_options", dict, {}), "include_usage", bool, False)
+        if body.get("stream_options") is not None and not stream:
+            raise ApiError(400, "'stream_options' is only for streamed requests ('stream': true)", "stream_options")
         prompts = [_chat_prompt(body, engine)] if chat else _completion_prompts(body, engine)
         echoed = [engine.tokenizer.decode(ids) if echo else "" for ids in prompts]
         job = Submit([(uuid.uuid4().hex, ids, _sampling_params(body, chat, len(ids), engine, i))
                       for ids in prompts for i in range(n)], queue.Queue())
         index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}
         outputs: list[list[RequestOutput]] = [[] for _ in index]
+        offsets = [0] * len(index)  # where each choice's next token's text starts (completions' text_offset)
         head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                 "model": self.app.model_names[0],
                 "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"}
@@ -676,8 +716,11 @@ class Handler(BaseHTTPRequestHandler):
                 if stream and echo and not before:
                     self._event(chunk([_choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
-                    offset = len(before[-1].text) if before else 0  # echo is refused with logprobs
-                    self._event(chunk([_choice(engine, chat, True, i, out.delta, lps, out.finish_reason, offset)]))
+                    self._event(chunk([_choice(engine, chat, True, i, out.delta, lps, out.finish_reason,
+                                               offsets[i])]))
+                    # Each token's own text, as the whole reply counts them, not the text let out so far (a
+                    # possible stop string's start is held back).
+                    offsets[i] += sum(len(engine.tokenizer.decode([x.token_id])) for x in lps)
                 before.append(out)
             prompt, completion = sum(map(len, prompts)), sum(len(o[-1].token_ids) for o in outputs)
             cached = sum(o[-1].num_cached_tokens for o in outputs[::n])  # the first choice of each prompt

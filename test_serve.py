@@ -167,6 +167,16 @@ def test_completions(server, client):
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 2
 
 
+def test_streamed_text_offsets_are_the_whole_replys(client):
+    """completions' text_offset streamed as in the whole reply, also while a stop string's start is held back."""
+    args = dict(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[" 6, 7"],
+                logprobs=0)
+    whole = client.completions.create(**args).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+
+
 def test_n_and_seed(client):
     def run():
         return client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2, max_tokens=6,
@@ -282,7 +292,12 @@ VALID = {"model": "smollm2-135m", "messages": CHAT, "max_tokens": 2}
     ({**VALID, "n": 0}, 400, "n"),
     ({**VALID, "stop": [1]}, 400, "stop"),
     ({**VALID, "stop": ["x" * 10000]}, 400, "stop"),
-    ({**VALID, "top_logprobs": 50, "logprobs": True}, 400, "logprobs"),
+    ({**VALID, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+    ({**VALID, "top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
+    ({**VALID, "user": 5}, 400, "user"),
+    ({**VALID, "stream_options": {"include_usage": True}}, 400, "stream_options"),  # not streamed
+    ({**VALID, "stream": True, "stream_options": "x"}, 400, "stream_options"),
+    ({**VALID, "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
     ({**VALID, "messages": []}, 400, "messages"),
     ({**VALID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ({**VALID, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
@@ -311,6 +326,40 @@ def test_routes_sizes_and_context(server):
     long_prompt = "hello " * 9000
     status, raw = request(server, "POST", "/v1/completions", {"prompt": long_prompt, "max_tokens": 1})
     assert status == 400 and "max_model_len" in json.loads(raw)["error"]["message"]
+
+
+def raw_exchange(server, data: bytes, shut: bool = False) -> tuple[int, dict]:
+    """data sent on a socket of its own (shut: then its sending side closed); the status and JSON body."""
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_http_layer_refusals_come_as_openai_json(server):
+    for data, status in [(b"GET http://[/health HTTP/1.1\r\nConnection: close\r\n\r\n", 400),  # urlsplit fails
+                         (b"GARBAGE\r\n\r\n", 400), (b"BREW /health HTTP/1.1\r\n\r\n", 501),
+                         (b"PUT /v1/models HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405)]:
+        got, body = raw_exchange(server, data)
+        assert got == status and set(body["error"]) == {"message", "type", "param", "code"}, (data, body)
+    # A body cut short by a half-close is refused as such, not parsed as it stands.
+    got, body = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", shut=True)
+    assert got == 400 and "2 of its 100 bytes" in body["error"]["message"]
+    # A client that writes all of its oversized body before reading gets the 413, not a reset.
+    status, raw = request(server, "POST", "/v1/completions", b"x" * (9 << 20))
+    assert status == 413 and json.loads(raw)["error"]["message"]
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("HEAD", "/health")
+    r = conn.getresponse()
+    assert r.status == 200 and int(r.headers["Content-Length"]) > 0 and r.read() == b""
+    conn.request("GET", "/health")  # the same connection: HEAD left no body behind
+    assert json.loads(conn.getresponse().read()) == {"status": "ok"}
+    conn.close()
 
 
 def test_slow_client_gets_408_and_others_are_served(server, client):
@@ -345,13 +394,14 @@ def test_api_key(server):
         server.api_key = None
 
 
-def test_queue_limit_429(server, client):
-    server.max_queue = 1
-    try:
-        with pytest.raises(openai.RateLimitError):
-            client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
-    finally:
-        server.max_queue = 1024
+def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, monkeypatch):
+    stats = server.engine.stats
+    monkeypatch.setattr(server.engine, "stats", lambda: {**stats(), "num_waiting": 1})  # one request waits
+    monkeypatch.setattr(server, "max_queue", 2)
+    with pytest.raises(openai.RateLimitError):  # 1 + 2 waiting would be over 2: come back later
+        client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max-queue"):  # 3 never fit: no point retrying
+        client.completions.create(model="smollm2-135m", prompt="Hi", n=3, max_tokens=1)
 
 
 def test_cli_bad_values_one_line(capsys):
@@ -554,6 +604,15 @@ def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
     r = tiny_client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", tools=None,
                                             response_format={"type": "text"}, stream_options=None)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_tiny_temperature_is_greedy(tiny_client):
+    """Logits divided by 1e-38 overflow float32 (to a flat row once made finite): below 1e-5 sampling is
+    greedy, as in vLLM."""
+    args = dict(model="tiny", prompt="Greedy", max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = tiny_client.completions.create(**args, temperature=0).choices[0].text
+    for temperature, seed in [(1e-38, 0), (1e-38, 1), (5e-6, 2)]:
+        assert tiny_client.completions.create(**args, temperature=temperature, seed=seed).choices[0].text == greedy
 
 
 def test_echo_stop_token_ids_and_cached_tokens(tiny_server, tiny_client):
