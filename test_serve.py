@@ -402,6 +402,8 @@ def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, mon
         client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="max-queue"):  # 3 never fit: no point retrying
         client.completions.create(model="smollm2-135m", prompt="Hi", n=3, max_tokens=1)
+    monkeypatch.undo()
+    client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1)  # /metrics shows the truth again
 
 
 def test_cli_bad_values_one_line(capsys):
