@@ -472,8 +472,11 @@ def run_offline(args, deadline: float, report: dict) -> None:
     outs = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
     llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, unmeasured
     before, bar, t0 = llm.num_generation_tokens, Progress("offline", args.num_prompts), time.perf_counter()
-    for p, n in zip(prompts, outs):
-        llm.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature))
+    try:
+        for p, n in zip(prompts, outs):
+            llm.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature))
+    except ValueError as e:  # a sequence the engine can never hold
+        raise BenchError(f"--offline: {e} (see --min-len, --max-len and the engine's size knobs)") from None
     finished = 0
     while llm.has_unfinished() and time.perf_counter() < deadline:
         done = sum(o.finished for o in llm.step())

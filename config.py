@@ -1,6 +1,7 @@
 """The engine's knobs, declared once: EngineConfig's fields are the Python API, and serve.py and bench.py
 build their command lines from them (help text included), so a new knob appears everywhere at once."""
 import argparse
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -50,6 +51,11 @@ class EngineConfig:
 
     def __post_init__(self):
         """Refuse impossible settings at once, with a message naming the knob."""
+        kinds = {f.name: f.metadata.get("type", type(f.default)) for f in fields(self) if "help" in f.metadata}
+        require([(getattr(self, name) is None or type(getattr(self, name)) is kind or kind is float and type(
+            getattr(self, name)) is int, f"{name} must be {kind.__name__}, got {getattr(self, name)!r}")
+            for name, kind in kinds.items()])
+        cores = os.cpu_count() or 1
         require([
             (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two, got {self.block_size}"),
@@ -59,13 +65,14 @@ class EngineConfig:
              f"({self.block_size} tokens)"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
-            (self.kv_cache_memory > 0, "kv_cache_memory must be > 0"),
-            (self.swap_space >= 0, "swap_space must be >= 0"),
+            (0 < self.kv_cache_memory < math.inf, "kv_cache_memory must be > 0 and finite"),
+            (0 <= self.swap_space < math.inf, "swap_space must be >= 0 and finite"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"unknown device {self.device!r}"),
             (self.seed >= 0, "seed must be >= 0"),
-            (self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1"),
+            (self.torch_threads is None or 1 <= self.torch_threads <= cores,
+             f"torch_threads must be in [1, {cores}] (this machine's cores)"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
             (self.tensor_parallel_size == 1 or not self.device.startswith("cuda:"), "--device cuda:N names one GPU; "
              "tensor parallelism uses cuda:0 to cuda:N-1 (choose them with CUDA_VISIBLE_DEVICES)"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,7 +45,8 @@ class SeqStep:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
-        self.config = c = config or EngineConfig(**kwargs)
+        # Keyword arguments set knobs, over config's if both are given.
+        self.config = c = replace(config, **kwargs) if config else EngineConfig(**kwargs)
         if c.torch_threads:
             torch.set_num_threads(c.torch_threads)
         # Read before the weights: a bad template file fails at once, not after minutes of loading.
@@ -81,6 +82,8 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step with room for it."""
         params = params or SamplingParams()
+        if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = (self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str)
                else list(prompt))
         if not ids:
@@ -207,11 +210,22 @@ class LLM(Engine):
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or isinstance(prompts, list) and prompts and type(prompts[0]) is int:
             prompts = [prompts]
+        if not isinstance(prompts, list):
+            raise ValueError(f"prompts: a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, sampling_params):
+                ids.append(self.add_request(p, sp))
+        except Exception:  # all or nothing: a bad prompt leaves no request of its batch behind
+            for i in ids:
+                self.abort(i)
+            raise
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.step():
@@ -223,4 +237,8 @@ class LLM(Engine):
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        if not all(isinstance(c, list) and c and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in c)
+                   for c in conversations):
+            raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
         return self.generate([self.tokenizer.apply_chat_template(m) for m in conversations], sampling_params)

@@ -46,6 +46,10 @@ class ModelRunner:
                  model_config: ModelConfig | None = None):
         self.config = c = config
         device = torch.device(c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+        if c.quantization and device.type != "cpu":
+            raise ValueError("--quantization int4 runs on CPU only (torch's 4-bit CPU matmul)")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {c.device}: {torch.cuda.device_count()} CUDA devices here")
         self.tp = parallel.TensorParallel(c.tensor_parallel_size, device.type, c.torch_threads, rank, address) \
             if c.tensor_parallel_size > 1 or parallel.launched_by_torchrun() else None
         self.rank, tp_size = (self.tp.rank, self.tp.size) if self.tp else (0, 1)
@@ -53,8 +57,6 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         default = torch.float32 if on_cpu and not cpu.has_bf16_units() else torch.bfloat16
         self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
-        if c.quantization and not on_cpu:
-            raise ValueError("--quantization int4 runs on CPU only (torch's 4-bit CPU matmul)")
         if self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and graph captures use the current device's stream
         # Rank 0 loads (checking the checkpoint against tp_size) before it spawns anyone, so a bad setting
@@ -122,7 +124,12 @@ class ModelRunner:
             raise ValueError(f"no memory left for the KV cache (one block is {per_block} bytes): raise "
                              "--kv-cache-memory or --gpu-memory-utilization, or set --num-kv-blocks")
         self.num_swap_blocks = int(c.swap_space * 2**30) // per_block if c.preemption_mode == "swap" else 0
-        self.kv_cache = KVCache(kv, self.num_kv_blocks, c.block_size, self.dtype, self.device, self.num_swap_blocks)
+        try:
+            self.kv_cache = KVCache(kv, self.num_kv_blocks, c.block_size, self.dtype, self.device, self.num_swap_blocks)
+        except (RuntimeError, MemoryError) as e:  # the allocator's message names no knob
+            raise ValueError(f"cannot allocate {self.num_kv_blocks} KV blocks and {self.num_swap_blocks} swap blocks "
+                             f"of {per_block} bytes (--num-kv-blocks, --kv-cache-memory, --swap-space): "
+                             f"{str(e).splitlines()[0][:200]}") from None
         self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and not c.enforce_eager else None
 
     def _profile_steps(self) -> list[list[tuple[Sequence, int]]]:

@@ -37,8 +37,22 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        integers = ("top_k", "max_tokens", "min_tokens", "seed", "logprobs")  # the last two may be None
+        require([*((type(getattr(self, n)) in (int, float), f"{n} must be a number, got {getattr(self, n)!r}")
+                   for n in numbers),
+                 *((type(getattr(self, n)) is int or getattr(self, n) is None and n in ("seed", "logprobs"),
+                    f"{n} must be an integer, got {getattr(self, n)!r}") for n in integers),
+                 (isinstance(self.stop, list) and all(isinstance(x, str) for x in self.stop),
+                  "stop must be a string or a list of strings"),
+                 (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids),
+                  "stop_token_ids must be a list of token ids"),
+                 (isinstance(self.logit_bias, dict) and all(
+                     (type(t) is int or isinstance(t, str) and t.isdecimal()) and type(b) in (int, float)
+                     for t, b in self.logit_bias.items()), "logit_bias must map token ids to numbers")])
         self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         require([(self.temperature >= 0, "temperature must be >= 0"),
+                 (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                  (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
                  (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),

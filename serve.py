@@ -116,6 +116,10 @@ class HTTPServer(ThreadingHTTPServer):
     block_on_close = False     # stop() must not wait for idle keep-alive connections
     app: Server
 
+    def __init__(self, address: tuple[str, int], handler: type):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET  # ::1 and the like
+        super().__init__(address, handler)
+
 
 class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -144,7 +148,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         """Bind and serve at once; the model loads on the engine thread (/health answers 503 until then)."""
@@ -770,7 +774,7 @@ def _parser() -> ArgumentParser:
                        "/v1/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics (Prometheus), "
                        "/version.")
     a = p.add_argument
-    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface, :: or ::1 for IPv6)")
     a("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     a("--api-key", default=os.environ.get("LANESERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)")

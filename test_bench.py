@@ -64,6 +64,12 @@ def test_offline(tmp_path, capsys):
     assert "Offline: 3/3 sequences" in out
 
 
+def test_offline_requests_that_cannot_fit_fail_in_one_line(tmp_path, capsys):
+    rc, _, _, err = run([*SMALL, "--offline", "--num-prompts", "2", "--min-len", "100", "--max-len", "100",
+                         "--max-model-len", "64"], tmp_path, capsys)
+    assert rc == 1 and "Traceback" not in err and "max_model_len" in err.strip().splitlines()[-1], err
+
+
 def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
     # This checkout against itself: the same workload, so the same steps on both sides.
     argv = [HERE, *SMALL, "--num-seqs", "3", "--waves", "2", "--max-tokens", "3", "--prompt-len", "4", "20"]

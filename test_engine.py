@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import weights
+from config import EngineConfig
 from engine import LLM, SamplingParams
 from cpu import Int4Linear, quantize_int4
 from sequence import Sequence
@@ -159,6 +160,37 @@ def test_bad_requests(llm):
         llm.add_request([1, 2, 3], SamplingParams(max_tokens=10**6))
     with pytest.raises(ValueError, match="empty"):
         llm.add_request([], SamplingParams())
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=2.5), dict(top_k=2.5), dict(logprobs=2.5), dict(seed=1.5),
+                                    dict(seed=2**70), dict(seed="a"), dict(stop=[1]), dict(stop_token_ids=5),
+                                    dict(logit_bias=[1, 2]), dict(logit_bias={5: "x"}), dict(temperature=None),
+                                    dict(max_tokens="5"), dict(temperature=True)])
+def test_sampling_params_of_the_wrong_type_name_their_field(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_the_python_api_refuses_bad_input_whole(tiny):
+    for kwargs in (dict(max_num_seqs=2.5), dict(block_size=16.0), dict(num_kv_blocks=2.5), dict(torch_threads=10**5),
+                   dict(kv_cache_memory=float("inf")), dict(max_model_len=2.5)):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            LLM(model=tiny, dummy_weights=True, **kwargs)
+    llm = LLM(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=64), max_num_seqs=3)  # kwargs win
+    assert llm.config.max_num_seqs == 3 and llm.config.num_kv_blocks == 64
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    for prompts, match in ((b"hello", "prompts"), (None, "prompts"), (torch.tensor([1, 2]), "prompts"),
+                           ([[1.5, 5]], "token ids"), ([[True, 5]], "token ids")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(prompts, greedy)
+    with pytest.raises(ValueError, match="3 prompts but 1 sampling params"):
+        llm.generate(["a", "b", "c"], [greedy])
+    with pytest.raises(ValueError, match="empty"):  # the first prompt was fine: it must not stay queued
+        llm.generate(["a fine prompt", ""], greedy)
+    assert not llm.has_unfinished() and not llm.requests
+    for conversation in (["hi"], "hello", [{"role": "user", "content": 5}], [{"role": "user"}], [[]]):
+        with pytest.raises(ValueError, match="conversation"):
+            llm.chat(conversation, greedy)
 
 
 def test_int4_gives_back_the_checkpoints_own_q4_blocks():

@@ -408,7 +408,8 @@ def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, mon
 
 def test_cli_bad_values_one_line(capsys):
     for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
-                 ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"]):
+                 ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"],
+                 ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
@@ -497,6 +498,20 @@ def test_tokenize_detokenize_version(server):
         assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", (path, reply)
     status, body = request(server, "GET", "/version")
     assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("laneserve")
+
+
+def test_an_ipv6_host(tiny):
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), host="::1", port=0)
+    s.start()
+    try:
+        assert s.wait_ready(120) and s.url.startswith("http://[::1]:")
+        assert request(s, "GET", "/health")[0] == 200
+    finally:
+        s.stop()
 
 
 def test_served_model_name(tiny):
