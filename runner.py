@@ -49,7 +49,7 @@ class ModelRunner:
         if c.quantization and device.type != "cpu":
             raise ValueError("--quantization int4 runs on CPU only (torch's 4-bit CPU matmul)")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"device {c.device}: {torch.cuda.device_count()} CUDA devices here")
+            raise ValueError(f"device {c.device}: torch sees {torch.cuda.device_count()} CUDA devices here")
         self.tp = parallel.TensorParallel(c.tensor_parallel_size, device.type, c.torch_threads, rank, address) \
             if c.tensor_parallel_size > 1 or parallel.launched_by_torchrun() else None
         self.rank, tp_size = (self.tp.rank, self.tp.size) if self.tp else (0, 1)
