@@ -65,7 +65,9 @@ class EngineConfig:
             (self.max_num_batched_tokens >= self.block_size,
              f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least one block "
              f"({self.block_size} tokens)"),
-            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 2,
+             "max_model_len must be >= 2 (a prompt token and a generated one)"),
+            (not (self.dummy_weights and self.model_path), "dummy_weights loads no checkpoint: drop model_path"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
             (0 < self.kv_cache_memory < math.inf, "kv_cache_memory must be > 0 and finite"),
             (0 <= self.swap_space < math.inf, "swap_space must be >= 0 and finite"),

@@ -409,7 +409,8 @@ def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, mon
 def test_cli_bad_values_one_line(capsys):
     for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
                  ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"],
-                 ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"]):
+                 ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"], ["--max-model-len", "1"],
+                 ["--dummy-weights", "--model-path", "x.gguf"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
