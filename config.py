@@ -5,7 +5,7 @@ import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 
-from sequence import require
+from sequence import require, typed
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -51,12 +51,8 @@ class EngineConfig:
 
     def __post_init__(self):
         """Refuse impossible settings at once, with a message naming the knob."""
-        def typed(f) -> bool:  # an int does for a float, a bool for nothing else, None only where it is the default
-            value, kind = getattr(self, f.name), f.metadata.get("type", type(f.default))
-            return type(value) is kind or kind is float and type(value) is int or value is f.default is None
-
-        require([(typed(f), f"{f.name} must be {f.metadata.get('type', type(f.default)).__name__}, got "
-                  f"{getattr(self, f.name)!r}") for f in fields(self) if "help" in f.metadata])
+        require([typed(f.name, getattr(self, f.name), f.metadata.get("type", type(f.default)), f.default is None)
+                 for f in fields(self) if "help" in f.metadata])
         cores = os.cpu_count() or 1
         require([
             (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,

@@ -213,7 +213,8 @@ class LLM(Engine):
         if isinstance(prompts, str) or isinstance(prompts, list) and prompts and type(prompts[0]) is int:
             prompts = [prompts]
         if not isinstance(prompts, list):
-            raise ValueError(f"prompts: a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+            raise ValueError(f"prompts: a string, a list of token ids, or a list of those; "
+                             f"got {type(prompts).__name__}")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -15,6 +15,12 @@ def require(checks: list[tuple[bool, str]]) -> None:
             raise ValueError(message)
 
 
+def typed(name: str, value: Any, kind: type, none_ok: bool = False) -> tuple[bool, str]:
+    """A check for require: value is a kind (an int does for a float, a bool for neither), or None if allowed."""
+    return (type(value) is kind or kind is float and type(value) is int or none_ok and value is None,
+            f"{name} must be {kind.__name__}, got {value!r}")
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -39,10 +45,8 @@ class SamplingParams:
             self.stop = [self.stop]
         numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         integers = ("top_k", "max_tokens", "min_tokens", "seed", "logprobs")  # the last two may be None
-        require([*((type(getattr(self, n)) in (int, float), f"{n} must be a number, got {getattr(self, n)!r}")
-                   for n in numbers),
-                 *((type(getattr(self, n)) is int or getattr(self, n) is None and n in ("seed", "logprobs"),
-                    f"{n} must be an integer, got {getattr(self, n)!r}") for n in integers),
+        require([*(typed(n, getattr(self, n), float) for n in numbers),
+                 *(typed(n, getattr(self, n), int, n in ("seed", "logprobs")) for n in integers),
                  (isinstance(self.stop, list) and all(isinstance(x, str) for x in self.stop),
                   "stop must be a string or a list of strings"),
                  (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids),

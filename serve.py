@@ -720,11 +720,10 @@ class Handler(BaseHTTPRequestHandler):
                 if stream and echo and not before:
                     self._event(chunk([_choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
-                    self._event(chunk([_choice(engine, chat, True, i, out.delta, lps, out.finish_reason,
-                                               offsets[i])]))
-                    # Each token's own text, as the whole reply counts them, not the text let out so far (a
-                    # possible stop string's start is held back).
-                    offsets[i] += sum(len(engine.tokenizer.decode([x.token_id])) for x in lps)
+                    choice = _choice(engine, chat, True, i, out.delta, lps, out.finish_reason, offsets[i])
+                    self._event(chunk([choice]))
+                    if not chat and lps:  # the tokens' own texts, as the whole reply counts them, not the
+                        offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))  # text let out (stop strings)
                 before.append(out)
             prompt, completion = sum(map(len, prompts)), sum(len(o[-1].token_ids) for o in outputs)
             cached = sum(o[-1].num_cached_tokens for o in outputs[::n])  # the first choice of each prompt
@@ -774,7 +773,8 @@ def _parser() -> ArgumentParser:
                        "/v1/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics (Prometheus), "
                        "/version.")
     a = p.add_argument
-    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface, :: or ::1 for IPv6)")
+    a("--host", default="127.0.0.1",
+      help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface, :: or ::1 for IPv6)")
     a("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     a("--api-key", default=os.environ.get("LANESERVE_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)")
