@@ -18,7 +18,7 @@ def knob(default, help: str, **cli):
 @dataclass
 class EngineConfig:
     model: str = knob(DEFAULT_MODEL, "preset (see weights.PRESETS), HF repo id or checkpoint path")
-    model_path: str | None = knob(None, "checkpoint for --model: a .gguf file, or a Hugging Face or Meta directory",
+    model_path: str | None = knob(None, "checkpoint for --model: a .gguf file or a Hugging Face directory",
                                   type=str)
     dummy_weights: bool = knob(False, "random weights in the preset's shapes (for benchmarking)")
     device: str = knob("auto", "cpu, cuda or cuda:N; auto: CUDA when available")

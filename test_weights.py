@@ -1,4 +1,4 @@
-"""Checkpoint loading against transformers as the reference, across GGUF, HF safetensors and Meta formats."""
+"""Checkpoint loading against transformers as the reference, GGUF and HF safetensors."""
 import dataclasses
 import importlib.util
 import json
@@ -134,13 +134,11 @@ def test_default_gguf_matches_transformers(default_loaded, reference):
     assert_same(state, expected_state(reference), atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["hf", "meta", "gguf"])
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_each_tensor_cast_to_dtype(tmp_path, fmt):
     model = tiny_llama(False, True)
     if fmt == "hf":
         model.save_pretrained(tmp_path, safe_serialization=True)
-    elif fmt == "meta":
-        write_meta(tmp_path, model)
     else:
         write_gguf(tmp_path / "tiny.gguf", model, {})
     _, state = load_weights(str(tmp_path), dtype=torch.bfloat16)  # a dir holding one .gguf is accepted too
@@ -156,6 +154,7 @@ def test_hf_safetensors(tmp_path, tied, scaled, shard):
     config, state = load_weights(str(tmp_path))
     assert config == expected_config(model)
     assert_same(state, expected_state(model))
+    assert_tp_parts(str(tmp_path), config, state)
 
 
 def test_hf_config_written_by_transformers_4(tmp_path):
@@ -168,71 +167,6 @@ def test_hf_config_written_by_transformers_4(tmp_path):
     config["rope_scaling"] = rope
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert load_weights(str(tmp_path))[0] == expected_config(model)
-
-
-def write_meta(path, model: LlamaForCausalLM, shards: int = 1, split_vocab: bool = True):
-    """The model as Meta ships it: Meta names, interleaved Q/K, split across model-parallel shards
-    (the embedding along the vocabulary as Llama 3 does, or along its width as Llama 2 did)."""
-    c = model.config
-    meta = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not c.tie_word_embeddings:
-        meta["output.weight"] = "lm_head.weight"
-    parts = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-             "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj",
-             "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-             "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-    for i in range(c.num_hidden_layers):
-        meta |= {f"layers.{i}.{m}.weight": f"model.layers.{i}.{h}.weight" for m, h in parts.items()}
-    hf = model.state_dict()
-    full = {m: hf[h] for m, h in meta.items()}
-    for i in range(c.num_hidden_layers):
-        full[f"layers.{i}.attention.wq.weight"] = interleave(full[f"layers.{i}.attention.wq.weight"],
-                                                             c.num_attention_heads)
-        full[f"layers.{i}.attention.wk.weight"] = interleave(full[f"layers.{i}.attention.wk.weight"],
-                                                             c.num_key_value_heads)
-
-    def axis(name: str) -> int:  # fairscale: Row-parallel wo/w2 split inputs, the rest (Column-parallel) outputs
-        by_input = name.endswith(("wo.weight", "w2.weight"))
-        return 1 if by_input or (name == "tok_embeddings.weight" and not split_vocab) else 0
-
-    for rank in range(shards):
-        torch.save({k: w if w.dim() == 1 else w.chunk(shards, dim=axis(k))[rank].clone() for k, w in full.items()},
-                   path / f"consolidated.{rank:02d}.pth")
-    params = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
-              "n_kv_heads": c.num_key_value_heads, "vocab_size": c.vocab_size, "multiple_of": 32,
-              "ffn_dim_multiplier": 1.0, "norm_eps": c.rms_norm_eps, "rope_theta": c.rope_parameters["rope_theta"],
-              "use_scaled_rope": c.rope_parameters["rope_type"] == "llama3"}
-    (path / "params.json").write_text(json.dumps(params))
-
-
-@pytest.mark.parametrize("tied, scaled, shards, split_vocab",
-                         [(False, True, 1, True), (False, True, 2, True), (True, False, 2, False),
-                          (False, False, 4, True)])  # 4 shards: a rank's part spans two of them
-def test_meta_checkpoint_matches_hf(tmp_path, tied, scaled, shards, split_vocab):
-    model = tiny_llama(tied, scaled)
-    hf_dir, meta_dir = tmp_path / "hf", tmp_path / "meta"
-    meta_dir.mkdir()
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    write_meta(meta_dir, model, shards, split_vocab)
-    hf_config, hf_state = load_weights(str(hf_dir))
-    meta_config, meta_state = load_weights(str(meta_dir))
-    assert meta_config == hf_config == expected_config(model)
-    assert_same(meta_state, hf_state)
-    assert_tp_parts(str(hf_dir), hf_config, hf_state)
-    assert_tp_parts(str(meta_dir), hf_config, hf_state)
-
-
-def test_a_ranks_part_of_meta_shards_reads_only_the_shards_holding_it():
-    """A rank's rows of a tensor Meta cut by rows into 4 shards: the shards outside them are never read
-    (here they live on the meta device, which holds no data: reading one would fail)."""
-    pieces = [torch.arange(8.0).view(4, 2) + 8 * i for i in range(4)]
-    whole = torch.cat(pieces)
-    for lo, hi in [(0, 4), (2, 10), (6, 16)]:
-        held = [p if 4 * i < hi and lo < 4 * i + 4 else torch.empty(p.shape, device="meta")
-                for i, p in enumerate(pieces)]
-        assert torch.equal(weights._merge_shards("layers.0.attention.wq.weight", held, 2, (0, lo, hi)), whole[lo:hi])
-    columns = weights._merge_shards("layers.0.attention.wq.weight", pieces, 2, (1, 1, 2))  # across the cut
-    assert torch.equal(columns, whole[:, 1:2])
 
 
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -338,11 +272,8 @@ def test_search_order(tmp_path, monkeypatch):
 
     hub = tmp_path / "hf" / "hub" / "models--meta-llama--Meta-Llama-3-8B-Instruct" / "snapshots"
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    meta = hub / "abc" / "original"
-    meta.mkdir(parents=True)
-    (meta / "params.json").write_text("{}")
-    (meta / "consolidated.00.pth").write_bytes(b"")
-    assert resolve_checkpoint("llama3-8b") == str(meta)  # the Meta copy HF repos keep in original/
+    older = hf_dir(hub / "abc")
+    assert resolve_checkpoint("llama3-8b") == older
     cached = hf_dir(hub / "def")
     os.utime(hub / "abc", (0, 0))
     assert resolve_checkpoint("llama3-8b") == cached  # newest snapshot first
@@ -439,11 +370,8 @@ def our_logits(path, ids: list[list[int]]) -> torch.Tensor:
 def test_loaders_give_transformers_logits(tmp_path, tied, scaled):
     hf = tiny_llama(tied, scaled)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    (tmp_path / "meta").mkdir()
-    write_meta(tmp_path / "meta", hf)
     ids = [[1, 5, 9, 200, 17, 3], [7, 7, 42], [100, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     with torch.no_grad():
         expected = torch.stack([hf(torch.tensor([x])).logits[0, -1] for x in ids])
     ours = our_logits(tmp_path / "hf", ids)
     assert (ours - expected).abs().max().item() < 1e-4
-    assert torch.equal(our_logits(tmp_path / "meta", ids), ours)

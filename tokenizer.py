@@ -1,5 +1,4 @@
 """Text <-> token ids: byte-level BPE run by tiktoken, chat templates, and streaming detokenization."""
-import base64
 import codecs
 import copy
 import json
@@ -27,20 +26,8 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
 # transformers splits every other byte-level GGUF with GPT-2's pattern too; we refuse those rather than guess.
 GGUF_PATTERNS = {"gpt2": GPT2_PATTERN, "smollm": GPT2_PATTERN, "llama3": LLAMA3_PATTERN,
                  "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN}
-# Meta's tokenizer.model holds only the ordinary tokens; these follow them (Llama 3.1 names).
-LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
-                  *(f"<|reserved_special_token_{i}|>" for i in range(2, 247))]
 END_OF_TURN = ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>"]
-
-LLAMA3_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    " + message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
-    "{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+# For a checkpoint that brings no chat template (and for --dummy-weights' byte tokenizer).
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -91,9 +78,7 @@ class Tokenizer:
         self.eos_id: int = eos_id
         self.add_bos_token = add_bos_token  # what the checkpoint asks for on plain (non-chat) prompts
         self.stop_token_ids = {eos_id, *extra_stops, *(special[t] for t in END_OF_TURN if t in special)}
-        if chat_template is None:
-            chat_template = LLAMA3_TEMPLATE if "<|start_header_id|>" in special else CHATML_TEMPLATE
-        self.chat_template = chat_template
+        self.chat_template = chat_template or CHATML_TEMPLATE
         if merges is None:
             ranks, rank_to_id = vocab, np.arange(len(vocab), dtype=np.int64)
         else:
@@ -304,24 +289,8 @@ def _from_hf(directory: str) -> Tokenizer:
                      _hf_adds_bos(tj, config), template)
 
 
-def _from_tiktoken_file(path: str) -> Tokenizer:
-    """Meta's Llama 3 tokenizer.model: one 'base64(token) rank' line per token; ranks are the ids."""
-    vocab: dict[bytes, int] = {}
-    try:
-        with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    token, rank = line.split()
-                    vocab[base64.b64decode(token, validate=True)] = int(rank)
-    except ValueError as e:
-        raise ValueError(f"{path} is not a tiktoken rank file (SentencePiece models are not supported): {e}") from None
-    special = {t: len(vocab) + i for i, t in enumerate(LLAMA3_SPECIAL)}
-    return Tokenizer(vocab, None, LLAMA3_PATTERN, special, set(special.values()),
-                     special["<|begin_of_text|>"], special["<|end_of_text|>"], add_bos_token=True)
-
-
 def load_tokenizer(path: str) -> Tokenizer:
-    """Tokenizer from a .gguf file, an HF directory (tokenizer.json) or a Meta Llama 3 directory (tokenizer.model)."""
+    """Tokenizer from a .gguf file or a Hugging Face directory (tokenizer.json)."""
     path = os.fspath(path)
     if os.path.isfile(path):
         if path.endswith(".gguf"):
@@ -329,11 +298,9 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise ValueError(f"{path}: expected a .gguf file or a directory")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no tokenizer at {path}")
-    if os.path.exists(os.path.join(path, "tokenizer.json")):
-        return _from_hf(path)
-    if os.path.exists(os.path.join(path, "tokenizer.model")):
-        return _from_tiktoken_file(os.path.join(path, "tokenizer.model"))
-    raise FileNotFoundError(f"{path} has neither tokenizer.json (Hugging Face) nor tokenizer.model (Meta Llama 3)")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        raise FileNotFoundError(f"{path} has no tokenizer.json (a Hugging Face tokenizer)")
+    return _from_hf(path)
 
 
 class IncrementalDetokenizer:

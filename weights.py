@@ -1,4 +1,4 @@
-"""Checkpoints: where each model is looked for, and GGUF / HF safetensors / Meta files loaded into one Llama naming."""
+"""Checkpoints: where each model is looked for, and GGUF or HF safetensors files loaded into one Llama naming."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,19 +50,11 @@ _HF_REPOS: dict[str, tuple[str, ...]] = {
     "llama3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct",),
 }
 
-# Source names -> HF names, as (top-level, per-layer) tables; per-layer names are "<prefix>N.<part>.weight".
-_GGUF_NAMES = (
-    {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
-    {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
-)
-_META_NAMES = (
-    {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"},
-    {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-     "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-     "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
-)
+# GGUF names -> HF names: the top-level tensors, and the parts of layer N ("blk.N.<part>.weight").
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
 def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None) -> str:
@@ -73,8 +65,8 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
         if found := _checkpoint_at(explicit):
             return found
         raise FileNotFoundError(
-            f"{explicit} is not a checkpoint: expected a .gguf file, a Hugging Face directory "
-            "(config.json + *.safetensors) or a Meta directory (params.json + consolidated.*.pth).")
+            f"{explicit} is not a checkpoint: expected a .gguf file or a Hugging Face directory "
+            "(config.json + *.safetensors).")
     looked: list[str] = []
     if root := os.environ.get("LANESERVE_MODELS"):
         for candidate in (os.path.join(root, model), os.path.join(root, model + ".gguf")):
@@ -97,26 +89,21 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
     raise FileNotFoundError("\n".join([
         f"No checkpoint found for model {model!r}{hint}. Looked in:",
         *(f"  - {place}" for place in looked),
-        "Put a .gguf file, a Hugging Face directory (config.json + *.safetensors) or a Meta directory "
-        "(params.json + consolidated.*.pth) at one of these places, or pass --model-path.",
+        "Put a .gguf file or a Hugging Face directory (config.json + *.safetensors) at one of these places, "
+        "or pass --model-path.",
         "Or run with --dummy-weights: the same shapes with random weights (for benchmarking)."]))
 
 
 def _checkpoint_at(path: str) -> str | None:
-    """`path` if it is a checkpoint, else the single .gguf in it, else the Meta copy HF repos keep in original/."""
-    def has(pattern: str) -> bool:
-        return bool(glob.glob(os.path.join(path, pattern)))
-
+    """`path` if it is a checkpoint, else the single .gguf in it."""
     if os.path.isfile(path):
         return path if path.endswith(".gguf") else None
     if not os.path.isdir(path):
         return None
-    if (has("config.json") and has("*.safetensors")) or (has("params.json") and has("consolidated.*.pth")):
+    if os.path.isfile(os.path.join(path, "config.json")) and glob.glob(os.path.join(path, "*.safetensors")):
         return path
     ggufs = glob.glob(os.path.join(path, "*.gguf"))
-    if len(ggufs) == 1:
-        return ggufs[0]
-    return _checkpoint_at(os.path.join(path, "original"))
+    return ggufs[0] if len(ggufs) == 1 else None
 
 
 def _smollm2_gguf(looked: list[str]) -> str | None:
@@ -158,9 +145,8 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
     read; with size > 1, rank `rank`'s part of each (model.tp_split), sliced before the rest is read."""
     found = _checkpoint_at(path)
     if found is None:
-        raise FileNotFoundError(f"{path} is not a checkpoint (.gguf, HF safetensors dir or Meta dir)")
-    load = _load_gguf if found.endswith(".gguf") else _load_hf if os.path.isfile(
-        os.path.join(found, "config.json")) else _load_meta
+        raise FileNotFoundError(f"{path} is not a checkpoint (a .gguf file or an HF safetensors directory)")
+    load = _load_gguf if found.endswith(".gguf") else _load_hf
     config, state = load(found, dtype, rank, size)
     expected = weight_shapes(config, size)
     got = {name: tuple(tensor.shape) for name, tensor in state.items()}
@@ -212,8 +198,8 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
     tp_check(config, size)
     state = {}
     for t in tensors.values():
-        name = _hf_name(t.name, _GGUF_NAMES, "blk.")
-        # llama.cpp's converter permutes HF Q/K rows into the interleaved-pair RoPE layout; undo it like Meta's.
+        name = _hf_name(t.name)
+        # llama.cpp's converter permutes HF Q/K rows into the interleaved-pair RoPE layout (Meta's); undo it.
         state[name] = _rotate_half_layout(name, _gguf_tensor(t, dtype, tp_split(config, name, rank, size)), config)
     return config, state
 
@@ -291,74 +277,19 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
     return config, state
 
 
-def _load_meta(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    with open(os.path.join(path, "params.json")) as f:
-        params = json.load(f)
-    dim, heads = params["dim"], params["n_heads"]
-    # mmap: a shard is paged in tensor by tensor instead of read whole (16 GB for an 8B model).
-    shards = [torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-              for file in sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))]
-    parts = {_hf_name(name, _META_NAMES, "layers."): (name, [s[name] for s in shards])
-             for name in shards[0] if name != "rope.freqs"}  # Llama 2 saved its RoPE table; rebuilt from theta
-
-    def rows(hf_name: str) -> int:  # of the merged tensor, from shapes alone
-        name, pieces = parts[hf_name]
-        return _merge_shards(name, [torch.empty(p.shape, device="meta") for p in pieces], dim).shape[0]
-    scaled = params.get("use_scaled_rope", False)
-    # params.json has no scaling parameters, only use_scaled_rope: the factor is 32 for the Llama 3.2 1B/3B text
-    # models (dim <= 3072) and 8 for every larger Llama 3.1+ model (as in HF's convert_llama_weights_to_hf.py).
-    factor = 32.0 if dim <= 3072 else 8.0
-    config = ModelConfig(
-        vocab_size=rows("model.embed_tokens.weight"), hidden_size=dim,
-        # The tensor is the truth; params' multiple_of/ffn_dim_multiplier only re-derive this size.
-        intermediate_size=rows("model.layers.0.mlp.gate_proj.weight"),
-        num_hidden_layers=params["n_layers"], num_attention_heads=heads,
-        num_key_value_heads=params.get("n_kv_heads") or heads, head_dim=dim // heads,
-        rms_norm_eps=params.get("norm_eps", 1e-5), rope_theta=params.get("rope_theta", 10000.0),
-        rope_scaling=_llama3_scaling(factor) if scaled else None, max_position_embeddings=131072 if scaled else 8192,
-        tie_word_embeddings="lm_head.weight" not in parts)
-    tp_check(config, size)
-    return config, {hf: _rotate_half_layout(hf, _merge_shards(name, pieces, dim, tp_split(config, hf, rank, size))
-                                            .to(dtype), config) for hf, (name, pieces) in parts.items()}
-
-
 def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
     """The part of t that model.tp_split names, as a view; t itself for None."""
     return t if split is None else t.narrow(split[0], split[1], split[2] - split[1])
 
 
-def _merge_shards(name: str, parts: list[torch.Tensor], dim: int,
-                  split: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """One tensor from Meta's model-parallel pieces (output-split along dim 0, except the input-split wo/w2),
-    or only the part of it that `split` names (model.tp_split): only the pieces that hold it are read."""
-    if len(parts) == 1 or parts[0].dim() == 1:  # norms are replicated in every shard
-        return _cut(parts[0], split)
-    by_input = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
-    # Llama 2 split the embedding along its width, Llama 3 along the vocabulary.
-    by_input |= name == "tok_embeddings.weight" and parts[0].shape[1] != dim
-    axis = 1 if by_input else 0
-    if split is not None and split[0] != axis:
-        parts = [_cut(p, split) for p in parts]
-    elif split is not None:  # the pieces' overlaps with [start, end) along the axis they were cut on
-        start, end, offset, kept = split[1], split[2], 0, []
-        for p in parts:
-            lo, hi = max(start - offset, 0), min(end - offset, p.shape[axis])
-            if lo < hi:
-                kept.append(p.narrow(axis, lo, hi - lo))
-            offset += p.shape[axis]
-        parts = kept
-    return torch.cat(parts, dim=axis)
-
-
-def _hf_name(name: str, tables: tuple[dict[str, str], dict[str, str]], layer_prefix: str) -> str:
-    top, layer = tables
+def _hf_name(name: str) -> str:
     stem = name.removesuffix(".weight")
-    if stem.startswith(layer_prefix):
-        index, _, part = stem[len(layer_prefix):].partition(".")
-        if part in layer:
-            return f"model.layers.{index}.{layer[part]}.weight"
-    elif stem in top:
-        return f"{top[stem]}.weight"
+    if stem.startswith("blk."):
+        index, _, part = stem[len("blk."):].partition(".")
+        if part in _GGUF_LAYER:
+            return f"model.layers.{index}.{_GGUF_LAYER[part]}.weight"
+    elif stem in _GGUF_TOP:
+        return f"{_GGUF_TOP[stem]}.weight"
     raise ValueError(f"unexpected tensor {name!r}: not part of a Llama checkpoint")
 
 
