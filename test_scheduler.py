@@ -5,9 +5,10 @@ import random
 from array import array
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
-from kv_cache import BlockManager
+from kv_cache import BlockManager, KVCache, KVShape
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "every jolly sphinx of black quartz near my river bank").split()
@@ -213,3 +214,16 @@ def test_prefix_cache_shares_prompt_blocks_only(tiny):
     out = llm.generate([second], greedy)[0]
     assert out.num_cached_tokens == 32
     assert out.token_ids == LLM(**knobs).generate([second], greedy)[0].token_ids
+
+
+def test_swap_copies_out_before_in():
+    # One step may swap a sequence out and another in onto the very blocks the first one left.
+    cache = KVCache(KVShape(2, 1, 4), num_blocks=2, block_size=2, dtype=torch.float32, device="cpu",
+                    num_swap_blocks=2)
+    for i, (k, v) in enumerate(cache.layers):
+        k[0], v[0] = 1.0 + i, -1.0 - i         # device block 0: the sequence going out
+        cache.host[i][0][1], cache.host[i][1][1] = 7.0, -7.0  # host block 1: the one coming back
+    cache.swap([(0, 0)], [(1, 0)])
+    for i, ((k, v), (hk, hv)) in enumerate(zip(cache.layers, cache.host)):
+        assert (hk[0] == 1.0 + i).all() and (hv[0] == -1.0 - i).all()
+        assert (k[0] == 7.0).all() and (v[0] == -7.0).all()
