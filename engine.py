@@ -176,7 +176,8 @@ class Engine:
             reason = "stop"
         elif token not in self.tokenizer.stop_token_ids:  # an ignored EOS gives no text
             try:
-                delta = seq.detokenizer.feed(token)
+                # As in vLLM, stop strings count from min_tokens on, like stop tokens.
+                delta = seq.detokenizer.feed(token, len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
             except Exception as e:  # a tokenizer bug fails this request, not its neighbours
                 return self._fail(seq, f"detokenizing failed ({type(e).__name__}: {e})")
             if seq.detokenizer.stopped:

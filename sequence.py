@@ -35,7 +35,7 @@ class SamplingParams:
     presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # ... and this times how often it was generated
     logprobs: int | None = None     # None: off; k: the chosen token's logprob and the top k
-    min_tokens: int = 0             # stop tokens are banned until this many tokens are out
+    min_tokens: int = 0             # stop tokens are banned, stop strings ignored, until this many are out
     repetition_penalty: float = 1.0  # vLLM's: a seen token's logit divided by it if positive, else multiplied
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     skip_special_tokens: bool = True  # control tokens (<|im_start|>) give no text

@@ -3,6 +3,7 @@ stop strings, logprobs and configuration checks, all through the real engine."""
 import hashlib
 import random
 from array import array
+from dataclasses import replace
 
 import pytest
 import torch
@@ -181,6 +182,15 @@ def test_prefix_cache_keys_are_a_sha256_chain():
     shared, other = [], []
     assert bm.match_prefix(shared, ids[:8] + [99] * 5) == 8 and shared == table[:2]
     assert bm.match_prefix(other, [99] + ids[1:]) == 0 and other == []
+
+
+def test_stop_strings_count_from_min_tokens_on(tiny):
+    # As in vLLM: before min_tokens, a stop string ends nothing (its text goes out), like a stop token.
+    llm = LLM(model=tiny, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=16)
+    a = SamplingParams(temperature=0, max_tokens=5, logit_bias={ord("a"): 100}, ignore_eos=True, stop=["a"])
+    for min_tokens, text in [(0, ""), (1, ""), (2, "a"), (5, "aaaa")]:
+        out = llm.generate([[ord("x")]], replace(a, min_tokens=min_tokens))[0]
+        assert (out.text, out.finish_reason, len(out.token_ids)) == (text, "stop", max(min_tokens, 1))
 
 
 def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):

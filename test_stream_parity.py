@@ -324,7 +324,8 @@ def run_case(server, chat: bool, body: dict, data) -> None:
             assert text.startswith(echoed), (text, echoed)
             text = text[len(echoed):]
         assert ref.startswith(text), (i, text, ref, stops)
-        assert not any(s in text for s in stops), (i, text, stops)
+        if not body.get("min_tokens"):  # before min_tokens, stop strings are let out (as in vLLM)
+            assert not any(s in text for s in stops), (i, text, stops)
         if text != ref:  # cut where a stop string begins
             assert any(ref.startswith(s, len(text)) for s in stops), (i, text, ref, stops)
 

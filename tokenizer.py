@@ -317,19 +317,21 @@ class IncrementalDetokenizer:
         self._held = ""
         self._max_hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def feed(self, token_id: int) -> str:
+    def feed(self, token_id: int, stops_armed: bool = True) -> str:
+        """The text token_id lets out. Unarmed (before a request's min_tokens), stop strings are not looked
+        for yet, but text that could begin one is still held back."""
         if self.stopped or token_id in self.skipped:
             return ""
-        return self._take(self._utf8.decode(self.tokenizer.decode_bytes([token_id])))
+        return self._take(self._utf8.decode(self.tokenizer.decode_bytes([token_id])), armed=stops_armed)
 
     def flush(self) -> str:
         """The rest, at the end (a character cut short becomes U+FFFD), up to a stop string if it holds one."""
         return "" if self.stopped else self._take(self._utf8.decode(b"", final=True), final=True)
 
-    def _take(self, text: str, final: bool = False) -> str:
+    def _take(self, text: str, final: bool = False, armed: bool = True) -> str:
         self._held += text
         # Released text never holds a stop string's start, so a stop string can only begin in the held text.
-        hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0]
+        hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0] if armed else []
         if hits:
             self.stopped = True
             return self._release(min(hits))
