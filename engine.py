@@ -174,7 +174,7 @@ class Engine:
         reason = None
         if token in seq.stop_ids:
             reason = "stop"
-        elif token not in self.tokenizer.stop_token_ids:  # an ignored EOS gives no text
+        else:  # an ignored EOS too: its text goes out unless skip_special_tokens (the default) drops it
             try:
                 # As in vLLM, stop strings count from min_tokens on, like stop tokens.
                 delta = seq.detokenizer.feed(token, len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)

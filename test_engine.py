@@ -284,6 +284,11 @@ def test_min_tokens_logit_bias_and_special_tokens(tiny):
     out = llm.generate([[1, 2, 3]] * 2, [forced, SamplingParams(temperature=0, max_tokens=3, logit_bias={start: 100},
                                                             skip_special_tokens=False)])
     assert out[0].text == "" and out[1].text == "<|im_start|>" * 3
+    # An ignored EOS is text like any special token, as in vLLM: dropped unless skip_special_tokens is off.
+    eos_forced = dict(temperature=0, max_tokens=2, logit_bias={eos: 100}, ignore_eos=True)
+    out = llm.generate([[1, 2, 3]] * 2, [SamplingParams(**eos_forced),
+                                         SamplingParams(**eos_forced, skip_special_tokens=False)])
+    assert [(o.text, o.finish_reason) for o in out] == [("", "length"), ("<|endoftext|>" * 2, "length")]
     # EOS made the likeliest token: banned for the first 3 tokens, then it ends the request.
     out = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={eos: 100}))[0]
     assert len(out.token_ids) == 4 and eos not in out.token_ids[:3] and out.finish_reason == "stop"
