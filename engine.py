@@ -119,6 +119,7 @@ class Engine:
         seq = self.requests.pop(request_id, None)
         if seq is not None and seq.status is not Status.FINISHED:
             self.scheduler.finish(seq, "abort")
+        self.held = [o for o in self.held if o.request_id != request_id]  # static mode: finished, not yet out
 
     @property
     def failure(self) -> str | None:

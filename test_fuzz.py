@@ -109,6 +109,7 @@ KNOBS = st.fixed_dictionaries(dict(
     max_num_batched_tokens=st.sampled_from([32, 64, 512]),
     max_num_seqs=st.sampled_from([4, 12, 32, 64]),
     enable_prefix_caching=st.sampled_from([True, False]),
+    scheduling=st.sampled_from(["continuous", "continuous", "static"]),
     preemption=st.sampled_from([("swap", 0.0004), ("recompute", 4.0), ("swap", 0.05), ("swap", 0.0)])))
 
 ENGINES: OrderedDict[tuple, LLM] = OrderedDict()  # a drained engine serves the next example of its knobs
@@ -258,12 +259,14 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
 # sequence. In the second, three prompts of about 190 tokens need 3 * 14 blocks: recomputed over and over,
 # and the abort hits a waiting one.
 @example(dtype="float32", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=12,
-                                     enable_prefix_caching=True, preemption=("swap", 0.0004)),
+                                     enable_prefix_caching=True, preemption=("swap", 0.0004),
+                                     scheduling="continuous"),
          schedule=[([pinned(100, 0), pinned(110, 1, 20, 0.7), pinned(120, 2, prefix=0)], 1, None),
                    ([pinned(100, 3, 23, prefix=0), pinned(60, 4, 12), pinned(80, 5)], 4, None),
                    ([pinned(90, 6, 8)], 1, 2), ([], 2, 3)])
 @example(dtype="bfloat16", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=12,
-                                      enable_prefix_caching=False, preemption=("recompute", 4.0)),
+                                      enable_prefix_caching=False, preemption=("recompute", 4.0),
+                                      scheduling="static"),
          schedule=[([pinned(185, 5), pinned(184, 6, 22, 1.5), pinned(183, 7, 18)], 8, 2)])
 @fuzz_settings
 @given(dtype=st.sampled_from(MODES), knobs=KNOBS, schedule=SCHEDULES)

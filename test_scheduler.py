@@ -128,6 +128,19 @@ def test_static_vs_continuous_mixed_workload(tiny):
     assert min(order[8:12]) > max(first_batch)
 
 
+def test_static_mode_gives_nothing_for_an_aborted_request(tiny):
+    # Its result was held for the batch's end when it was aborted.
+    llm = LLM(model=tiny, dummy_weights=True, device="cpu", scheduling="static", num_kv_blocks=16)
+    llm.add_request([1, 2], SamplingParams(max_tokens=1, ignore_eos=True), "short")
+    llm.add_request([1, 2], SamplingParams(max_tokens=5, ignore_eos=True), "long")
+    assert [o.request_id for o in llm.step()] == ["long"]
+    llm.abort("short")
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert [o.request_id for o in outs] == ["long"] * 4
+
+
 def test_stop_string_across_tokens(roomy):
     prompt = roomy.tokenizer.apply_chat_template([{"role": "user", "content": "Write two sentences about the ocean."}])
     free = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
