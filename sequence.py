@@ -56,6 +56,7 @@ class SamplingParams:
                      for t, b in self.logit_bias.items()), "logit_bias must map token ids to numbers")])
         self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         require([(self.temperature >= 0, "temperature must be >= 0"),
+                 (all(self.stop), "stop cannot contain an empty string"),
                  (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                  (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),

@@ -54,7 +54,7 @@ FIELDS = {
                   "add_generation_prompt": "boolean"},
     "/detokenize": {"model": "string", "tokens": "array"}}
 REQUIRED = {"/v1/chat/completions": ["messages"], "/v1/completions": ["prompt"], "/detokenize": ["tokens"]}
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds, as vLLM's
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -353,7 +353,8 @@ def _chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True)
         raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from e
 
 
-def _completion_prompts(body: dict, engine: Engine) -> list[list[int]]:
+def _completion_prompts(body: dict, engine: Engine) -> tuple[list[str | list[int]], list[list[int]]]:
+    """The prompts as sent (strings or token ids), and as token ids."""
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _is_ids(p) for p in prompts):
@@ -362,7 +363,7 @@ def _completion_prompts(body: dict, engine: Engine) -> list[list[int]]:
     if any(not 0 <= t < vocab for p in prompts if not isinstance(p, str) for t in p):
         raise ApiError(400, f"token ids must be in [0, {vocab})", "prompt")
     try:
-        return [tok.encode(p, add_bos=tok.add_bos_token) if isinstance(p, str) else p for p in prompts]
+        return prompts, [tok.encode(p, add_bos=tok.add_bos_token) if isinstance(p, str) else p for p in prompts]
     except Exception as e:  # text tiktoken refuses, such as lone surrogates
         raise ApiError(400, f"cannot tokenize the prompt: {e}", "prompt") from e
 
@@ -375,6 +376,16 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i:
     if max_tokens is None:  # OpenAI's defaults: all the room left for chat, 16 for completions
         room = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
         max_tokens = max(1, room - prompt_len) if chat else 16
+    # vLLM's messages, OpenAI's code: clients match them to shorten the request and retry.
+    limit, what = engine.max_model_len, "messages" if chat else "prompt"
+    if prompt_len >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
+                            f"{prompt_len} input tokens. Please reduce the length of the input {what}.", what,
+                       "context_length_exceeded")
+    if prompt_len + max_tokens > limit:
+        raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                            f"context length is {limit} tokens and your request has {prompt_len} input tokens "
+                            f"({max_tokens} > {limit} - {prompt_len}).", "max_tokens", "context_length_exceeded")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
     # Bounded: the engine thread checks every stop string's prefixes after every token.
@@ -422,7 +433,9 @@ def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) 
                             for x in lps]}
     tokens = [tok.decode([x.token_id]) for x in lps]
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{tok.decode([t]): lp for t, lp in x.top} for x in lps],
+            # The sampled token's always, as OpenAI documents: up to logprobs + 1 entries.
+            "top_logprobs": [{tok.decode([x.token_id]): x.logprob, **{tok.decode([t]): lp for t, lp in x.top}}
+                             for x in lps],
             "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))}
 
 
@@ -682,11 +695,16 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "'n' must be in [1, 128]", "n")
         _get(body, "user", str)  # the client's own end-user id: checked, then unused
         stream = _get(body, "stream", bool, False)
-        usage_chunk = _get(_get(body, "stream_options", dict, {}), "include_usage", bool, False)
+        options = _get(body, "stream_options", dict, {})
         if body.get("stream_options") is not None and not stream:
             raise ApiError(400, "'stream_options' is only for streamed requests ('stream': true)", "stream_options")
-        prompts = [_chat_prompt(body, engine)] if chat else _completion_prompts(body, engine)
-        echoed = [engine.tokenizer.decode(ids) if echo else "" for ids in prompts]
+        if unknown := sorted(set(options) - {"include_usage"}):
+            raise ApiError(400, f"stream_options: unsupported key(s) {', '.join(unknown)} (only include_usage)",
+                           "stream_options", "unsupported_field")
+        usage_chunk = _get(options, "include_usage", bool, False)
+        sent, prompts = ([None], [_chat_prompt(body, engine)]) if chat else _completion_prompts(body, engine)
+        # echo gives back a text prompt as it came, token ids as their text
+        echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in sent]
         job = Submit([(uuid.uuid4().hex, ids, _sampling_params(body, chat, len(ids), engine, i))
                       for ids in prompts for i in range(n)], queue.Queue())
         index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}

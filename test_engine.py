@@ -250,7 +250,7 @@ def test_one_failing_sequence_fails_alone(tiny, monkeypatch):
         for rid, (ids, params) in requests.items():
             llm.add_request(ids, params, rid)
         if "detok" in requests:
-            def broken(token_id: int) -> str:
+            def broken(token_id: int, stops_armed: bool = True) -> str:
                 raise UnicodeError("injected")
             llm.requests["detok"].detokenizer.feed = broken
         got: dict = {}

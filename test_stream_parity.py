@@ -318,9 +318,9 @@ def run_case(server, chat: bool, body: dict, data) -> None:
     prompt = body.get("prompt")
     prompts_ = prompt if isinstance(prompt, list) and not all(type(t) is int for t in prompt) else [prompt]
     for i, (text, ref) in enumerate(zip(choice_texts(reply, chat), full)):
-        if body.get("echo"):  # the prompt comes back first, as its tokens' text
+        if body.get("echo"):  # the prompt comes back first, as sent (token ids as their text)
             p = prompts_[i // n]
-            echoed = tok.decode(p if isinstance(p, list) else tok.encode(p, add_bos=tok.add_bos_token))
+            echoed = tok.decode(p) if isinstance(p, list) else p
             assert text.startswith(echoed), (text, echoed)
             text = text[len(echoed):]
         assert ref.startswith(text), (i, text, ref, stops)

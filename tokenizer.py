@@ -310,7 +310,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skipped = tokenizer.control if skip_special_tokens else set()
-        self.stop = [s for s in stop or [] if s]
+        self.stop = list(stop or [])
         self.stopped = False
         self.text = ""
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a split character's bytes
