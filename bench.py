@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
 import math
@@ -80,8 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
     a("--warmup", type=count, default=2, help="unmeasured requests before measuring")
     a("--temperature", type=_number(float, zero_ok=True), default=0.0, help="sampling temperature (0: greedy, as vLLM's bench)")
-    a("--slo-ttft", type=num, help="SLO on p95 TTFT in ms, for goodput")
-    a("--slo-itl", type=num, help="SLO on p95 ITL in ms, for goodput")
+    a("--slo-ttft", type=num, help="goodput counts the requests whose TTFT is at most this, in ms (as vLLM's "
+      "--goodput ttft:MS)")
+    a("--slo-tpot", type=num, help="... and whose TPOT is at most this, in ms (vLLM's --goodput tpot:MS)")
     a("--mixed-short", type=pos, default=8, help="max_tokens of the mixed probe's short requests")
     a("--mixed-long", type=pos, default=512, help="max_tokens of the mixed probe's long requests")
     a("--mixed-num-short", type=count, default=16, help="short requests in the mixed probe (0: no probe)")
@@ -102,8 +104,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--compare-static needs the in-process server (it starts a static one); drop --base-url")
     if args.min_len > args.max_len:
         p.error(f"--min-len ({args.min_len}) is above --max-len ({args.max_len})")
-    if args.base_url and not ((url := urllib.parse.urlsplit(args.base_url)).scheme in ("http", "https") and url.netloc):
+    try:
+        url = urllib.parse.urlsplit(args.base_url or "http://x")
+        url.port  # raises for a bad port
+    except ValueError:
+        url = None
+    if not (url and url.scheme in ("http", "https") and url.netloc):
         p.error(f"--base-url must be an http:// or https:// URL, got {args.base_url!r}")
+    offline_only = [f"--{k.replace('_', '-')}" for k in ("num_prompts", "min_len", "max_len")
+                    if getattr(args, k) != p.get_default(k)]
+    online_only = [flag for flag, given in (("--compare-static", args.compare_static), ("--slo-ttft", args.slo_ttft),
+                                            ("--slo-tpot", args.slo_tpot), ("--plot", args.plot)) if given]
+    if args.offline and online_only or not args.offline and offline_only:
+        p.error(f"{', '.join(online_only if args.offline else offline_only)}: not for "
+                f"{'--offline' if args.offline else 'the sweep (those are --offline knobs)'}")
+    if len(set(args.concurrency)) < len(args.concurrency):
+        p.error(f"--concurrency: each level once, got {' '.join(map(str, args.concurrency))}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):  # found out now, not after the run
         if path and (os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)):
             p.error(f"{flag}: cannot write {path} (a directory, or its directory is missing or read-only)")
@@ -225,13 +241,13 @@ class Client:
                 await self._fail(reader, headers, status)
             buf = b""
             async for data in self._body(reader, headers):
-                *events, buf = (buf + data).split(b"\n\n")
-                for event in events:
-                    for line in event.splitlines():
-                        if line.startswith(b"data:"):
-                            if (payload := line[5:].strip()) == b"[DONE]":
-                                return
-                            yield json.loads(payload)
+                *lines, buf = (buf + data).replace(b"\r\n", b"\n").split(b"\n")  # SSE allows CRLF
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        if (payload := line[5:].strip()) == b"[DONE]":
+                            return
+                        yield json.loads(payload)
+            raise HTTPError("the stream ended before [DONE] (connection closed)")
         finally:
             writer.close()
 
@@ -247,9 +263,12 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
         async with asyncio.timeout(args.request_timeout):
             async for chunk in client.events("/chat/completions", body):
                 now = time.perf_counter() - t0
+                if not isinstance(chunk, dict):
+                    raise HTTPError(f"not an OpenAI chunk: {chunk!r:.100}")
                 if "error" in chunk:
-                    raise HTTPError(chunk["error"].get("message", str(chunk["error"])))
-                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    e = chunk["error"]
+                    raise HTTPError(e.get("message", str(e)) if isinstance(e, dict) else str(e))
+                if chunk.get("choices") and ((chunk["choices"][0] or {}).get("delta") or {}).get("content"):
                     if req.ttft is None:
                         req.ttft = now - req.start
                     else:
@@ -315,9 +334,10 @@ def summarize(reqs: list[Request], duration: float, args) -> dict:
         m[f"mean_{name}_ms"] = float(np.mean(xs)) if xs else None
         for q in (50, 95, 99):
             m[f"p{q}_{name}_ms"] = pct(xs, q)
-    if args.slo_ttft or args.slo_itl:  # a request meets the SLO if its TTFT and its mean ITL both do
-        good = [r for r in done if r.ttft is not None and r.ttft * 1000 <= (args.slo_ttft or float("inf"))
-                and (not r.itl or np.mean(r.itl) * 1000 <= (args.slo_itl or float("inf")))]
+    if args.slo_ttft or args.slo_tpot:  # vLLM's goodput: completed requests meeting every SLO, per second
+        good = [r for r in done if r.ttft is not None and r.ttft * 1000 <= (args.slo_ttft or math.inf)
+                and (r.output_tokens < 2 or (r.end - r.start - r.ttft) / (r.output_tokens - 1) * 1000
+                     <= (args.slo_tpot or math.inf))]
         m["goodput"] = len(good) / duration
     return m
 
@@ -338,6 +358,7 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
     complete = await run_until([client_loop(c) for c in range(concurrency)], until)
     duration = time.perf_counter() - t0
     bar.close("" if complete else "(time limit: partial)")
+    complete = complete and len(reqs) == concurrency * args.requests_per_client  # a client stopped by the limit
     return {"concurrency": concurrency, "partial": not complete, "metrics": summarize(reqs, duration, args),
             "requests": [asdict(r) for r in reqs]}
 
@@ -365,19 +386,16 @@ async def run_mixed(client, model: str, args, until: float, label: str) -> dict:
     before = sum(r.end is not None and r.end < first_long - step for r in shorts)
     return {"partial": not complete, "duration_s": duration, "short": summarize(shorts, duration, args),
             "long": summarize(longs, duration, args),
-            "short_before_first_long": before / len(shorts) if shorts else None,
+            "short_before_first_long": before / len(shorts) if any(r.end is not None for r in shorts) else None,
             "requests": [asdict(r) for r in reqs]}
 
 
 def pick_goodput(sweep: list[dict], args) -> dict | None:
-    """The highest level whose p95 TTFT and p95 ITL both meet the SLO, and the goodput there."""
-    if not (args.slo_ttft or args.slo_itl):
+    """The level of the highest goodput: the most requests a second that meet the SLO."""
+    if not (args.slo_ttft or args.slo_tpot):
         return None
-    meets = [lv for lv in sweep if lv["metrics"]["p95_ttft_ms"] is not None
-             and lv["metrics"]["p95_ttft_ms"] <= (args.slo_ttft or float("inf"))
-             and (lv["metrics"]["p95_itl_ms"] or 0.0) <= (args.slo_itl or float("inf"))]
-    best = max(meets, key=lambda lv: lv["concurrency"], default=None)
-    return {"slo_ttft_ms": args.slo_ttft, "slo_itl_ms": args.slo_itl,
+    best = max((lv for lv in sweep if lv["metrics"]["goodput"]), key=lambda lv: lv["metrics"]["goodput"], default=None)
+    return {"slo_ttft_ms": args.slo_ttft, "slo_tpot_ms": args.slo_tpot,
             "concurrency": best and best["concurrency"], "goodput": best and best["metrics"]["goodput"]}
 
 
@@ -410,8 +428,9 @@ async def measure(args, url: str, label: str, until: float) -> tuple[dict, str |
         except (HTTPError, OSError, ValueError, KeyError, IndexError) as e:
             raise BenchError(f"cannot list the models at {client.url}: {e}") from None
         t0, warm = time.perf_counter(), [Request("warmup", min(16, args.max_tokens)) for _ in range(args.warmup)]
-        await run_until([stream_one(client, model, r, PROMPT.format(i=-1 - j), args, t0)
-                         for j, r in enumerate(warm)], until)
+        if not await run_until([stream_one(client, model, r, PROMPT.format(i=-1 - j), args, t0)
+                                for j, r in enumerate(warm)], until):
+            raise BenchError("the warm-up used up --time-limit before anything was measured; raise --time-limit")
         if err := next((r.error for r in warm if r.error), None):
             raise BenchError(f"warm-up request failed: {err}")
         if args.mixed_num_short:  # first: a fixed, small workload, at most 40% of the time; the sweep adapts
@@ -453,6 +472,10 @@ def run_online(args, deadline: float, report: dict) -> None:
                 child.join()
             finally:
                 server.stop()
+                del server  # with its engine gone, the next label's server gets the same memory (GPU KV sizing)
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
         report["config"].setdefault("served_model", model)
         report["runs"][label] = run
         if error:
@@ -509,7 +532,7 @@ def print_report(report: dict, args) -> None:
                 ("Output token throughput (tok/s)", "output_throughput"),
                 ("Total token throughput (tok/s)", "total_token_throughput"),
                 ("Per-request output throughput (tok/s)", "per_request_output_throughput")]
-        rows += [("Goodput (req/s)", "goodput")] if args.slo_ttft or args.slo_itl else []
+        rows += [("Request goodput (req/s)", "goodput")] if args.slo_ttft or args.slo_tpot else []
         rows += [(f"{s} {label} (ms)", f"{k}_{name}_ms") for name, label in METRICS for k, s in STATS]
         print(f"\n{'Serving benchmark (max_tokens ' + str(args.max_tokens) + ')':<{w}}" + "".join(f"{h:>14}" for h in head))
         for title, key in rows:
@@ -519,10 +542,10 @@ def print_report(report: dict, args) -> None:
             print("* partial: the level's share of --time-limit ran out; counts include tokens streamed so far")
         for label, run in runs.items():
             if g := run.get("goodput"):
-                where = f"concurrency {g['concurrency']}, goodput {fmt(g['goodput'])} req/s" if g["concurrency"] \
-                    else "no level meets it"
-                print(f"Goodput [{label}] at p95 TTFT <= {fmt(g['slo_ttft_ms'])} ms, p95 ITL <= "
-                      f"{fmt(g['slo_itl_ms'])} ms: {where}")
+                where = f"{fmt(g['goodput'])} req/s at concurrency {g['concurrency']}" if g["concurrency"] \
+                    else "no request meets it"
+                print(f"Best goodput [{label}] at TTFT <= {fmt(g['slo_ttft_ms'])} ms, TPOT <= "
+                      f"{fmt(g['slo_tpot_ms'])} ms: {where}")
         mixed = {label: run["mixed"] for label, run in runs.items() if run.get("mixed")}
         if mixed:
             print(f"\n{'Mixed probe':<{w}}" + "".join(f"{label + ('*' if m['partial'] else ''):>14}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -77,14 +78,23 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_kernel.py", description=__doc__)
+    from bench import ArgumentParser, _number  # one-line errors and positive numbers, as bench.py's
+    p = ArgumentParser(prog="bench_kernel.py", description=__doc__)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1..256 on CUDA, 1 4 16 on CPU)")
-    p.add_argument("--contexts", type=int, nargs="+", help="context lengths (default 512..8192 on CUDA)")
-    p.add_argument("--time-limit", type=float, default=300, help="seconds; the rows measured by then are kept")
+    p.add_argument("--batches", type=_number(int), nargs="+", help="batch sizes (default 1..256 on CUDA, 1 4 16 on CPU)")
+    p.add_argument("--contexts", type=_number(int), nargs="+", help="context lengths (default 512..8192 on CUDA)")
+    p.add_argument("--time-limit", type=_number(float), default=300, help="seconds; the rows measured by then are kept")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
     args = p.parse_args(argv)
+    try:
+        dev = device(args)
+    except RuntimeError as e:
+        p.error(f"--device {args.device}: {e}")
+    if dev.type not in ("cpu", "cuda") or dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device {args.device}: not a device here (CUDA devices: {torch.cuda.device_count()})")
+    if args.json and (os.path.isdir(args.json) or not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK)):
+        p.error(f"--json: cannot write {args.json}")
     rows = run(args)
     print(f"{'context':>8}{'batch':>7}{'KV+Q MB':>10}{'ours ms':>10}{'GB/s':>9}{'ref ms':>10}{'GB/s':>9}"
           f"{'speedup':>9}{'max|diff|':>11}")

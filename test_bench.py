@@ -1,5 +1,6 @@
 """bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, bench_kernel.py on CPU,
 bench_ab.py, --base-url against a stub OpenAI server (usage checked, time limit honoured), and bad arguments."""
+import itertools
 import json
 import os
 import socket
@@ -29,7 +30,7 @@ def run(argv: list[str], tmp_path, capsys) -> tuple[int, dict, str, str]:
 def test_sweep_and_mixed_probe(tmp_path, capsys):
     rc, report, out, err = run([*SMALL, "--concurrency", "1", "2", "--max-tokens", "4", "--requests-per-client", "1",
                                 "--mixed-long", "16", "--mixed-short", "2", "--mixed-num-short", "2",
-                                "--mixed-num-long", "1", "--warmup", "1", "--slo-ttft", "1e6", "--slo-itl", "1e6"],
+                                "--mixed-num-long", "1", "--warmup", "1", "--slo-ttft", "1e6", "--slo-tpot", "1e6"],
                                tmp_path, capsys)
     assert rc == 0, err
     run_ = report["runs"]["continuous"]
@@ -42,14 +43,16 @@ def test_sweep_and_mixed_probe(tmp_path, capsys):
         assert 0 < m["p50_ttft_ms"] <= m["p99_ttft_ms"] <= m["p99_e2el_ms"]
         assert m["mean_itl_ms"] > 0 and m["mean_tpot_ms"] > 0 and m["goodput"] == m["request_throughput"]
         assert [r["output_tokens"] for r in lv["requests"]] == [4] * c
-    assert run_["goodput"]["concurrency"] == 2
+    best = max(run_["sweep"], key=lambda lv: lv["metrics"]["goodput"])  # every request meets a loose SLO
+    assert (run_["goodput"]["concurrency"], run_["goodput"]["goodput"]) == (best["concurrency"],
+                                                                             best["metrics"]["goodput"])
     mixed = run_["mixed"]
     assert mixed["short"]["completed"] == 2 and mixed["long"]["completed"] == 1
     assert mixed["short_before_first_long"] == 1.0  # continuous batching: a 2-token request leaves at once
     cfg = report["config"]
     assert cfg["engine"]["continuous"]["device"] == "cpu" and cfg["versions"]["torch"]
     for label in ("Output token throughput (tok/s)", "P95 TTFT (ms)", "Mean ITL (ms)", "P99 TPOT (ms)",
-                  "P50 E2EL (ms)", "Short finished before first long (%)", "Goodput [continuous]"):
+                  "P50 E2EL (ms)", "Short finished before first long (%)", "Best goodput [continuous]"):
         assert label in out
 
 
@@ -101,8 +104,11 @@ def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_pat
 
 class Stub(BaseHTTPRequestHandler):
     """A minimal OpenAI chat server: streams `max_tokens - short` one-character chunks, `delay` s apart;
-    with `refuse`, answers every completion with that HTTP status and OpenAI's error JSON instead."""
-    short, delay, refuse = 0, 0.0, 0
+    with `refuse`, answers every completion with that HTTP status and OpenAI's error JSON instead. `odd`
+    misbehaves: "crlf" ends events with CRLF (as SSE allows), "drop" closes every other stream after two
+    chunks, "nodelta" sends a choice without a delta."""
+    short, delay, refuse, odd = 0, 0.0, 0, None
+    counter = itertools.count(1)  # numbers the streams served
 
     def log_message(self, *args):
         pass
@@ -120,19 +126,24 @@ class Stub(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "stub"}
+        number = next(self.counter)
         try:
             for i in range(n):
                 time.sleep(self.delay)
-                self._event({**head, "choices": [{"index": 0, "delta": {"content": "a"},
+                if self.odd == "drop" and i == 2 and number % 2:
+                    return  # the connection closes with no [DONE]
+                delta = {} if self.odd == "nodelta" and i == 1 else {"delta": {"content": "a"}}
+                self._event({**head, "choices": [{"index": 0, **delta,
                                                   "finish_reason": "length" if i == n - 1 else None}]})
             self._event({**head, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n,
                                                           "total_tokens": 7 + n}})
-            self.wfile.write(b"data: [DONE]\n\n")
+            self._event("[DONE]")
         except OSError:  # the client gave up (time limit)
             pass
 
-    def _event(self, obj: dict) -> None:
-        self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+    def _event(self, obj: dict | str) -> None:
+        end = b"\r\n" if self.odd == "crlf" else b"\n"
+        self.wfile.write(b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + end + end)
         self.wfile.flush()
 
     def _json(self, obj: dict, status: int = 200) -> None:
@@ -148,8 +159,9 @@ class Stub(BaseHTTPRequestHandler):
 def stub():
     servers = []
 
-    def start(short: int = 0, delay: float = 0.0, refuse: int = 0) -> str:
-        handler = type("Handler", (Stub,), {"short": short, "delay": delay, "refuse": refuse})
+    def start(short: int = 0, delay: float = 0.0, refuse: int = 0, odd: str | None = None) -> str:
+        handler = type("Handler", (Stub,), {"short": short, "delay": delay, "refuse": refuse, "odd": odd,
+                                            "counter": itertools.count(1)})
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -183,6 +195,23 @@ def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, ca
     assert report["runs"]["remote"]["sweep"][0]["metrics"]["failed"] == 2
 
 
+def test_streams_ending_in_crlf_are_read(stub, tmp_path, capsys):
+    rc, report, out, err = run(["--base-url", stub(odd="crlf"), "--concurrency", "2", "--max-tokens", "5",
+                                "--warmup", "0", "--mixed-num-short", "0"], tmp_path, capsys)
+    assert rc == 0 and report["runs"]["remote"]["sweep"][0]["metrics"]["completed"] == 4, err
+
+
+@pytest.mark.parametrize("odd, error", [("drop", "the stream ended before [DONE]"), ("nodelta", None)])
+def test_a_broken_stream_fails_its_request_not_the_run(stub, tmp_path, capsys, odd, error):
+    rc, report, out, err = run(["--base-url", stub(odd=odd), "--concurrency", "2", "--max-tokens", "5",
+                                "--warmup", "0", "--mixed-num-short", "0"], tmp_path, capsys)
+    m = report["runs"]["remote"]["sweep"][0]["metrics"]
+    if error:  # every other stream cut short: those requests failed, the others were measured
+        assert rc == 1 and (m["completed"], m["failed"]) == (2, 2) and error in err.splitlines()[-1]
+    else:  # a chunk without a delta carries no text, and breaks nothing
+        assert rc == 0 and m["completed"] == 4, err
+
+
 def test_unreachable_server_is_one_line(tmp_path, capsys):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -212,12 +241,29 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
     (["--base-url", "localhost:8000"], "--base-url must be an http:// or https:// URL"),
     (["--json", "/nonexistent/report.json"], "--json: cannot write /nonexistent/report.json"),
     (["--plot", "/"], "--plot: cannot write /"),
+    (["--base-url", "http://[::1"], "--base-url must be an http:// or https:// URL"),
+    (["--concurrency", "2", "2"], "--concurrency: each level once"),
+    (["--num-prompts", "3"], "--num-prompts: not for the sweep"),
+    (["--offline", "--slo-ttft", "100", "--compare-static"], "--compare-static, --slo-ttft: not for --offline"),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("bench.py: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batches", "0"], "--batches: 0 must be finite and > 0"),
+    (["--contexts", "-4"], "--contexts: -4 must be finite and > 0"),
+    (["--device", "cuda:7"], "not a device here"),
+    (["--json", "/nonexistent/k.json"], "--json: cannot write"),
+])
+def test_kernel_bench_bad_arguments_give_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_kernel.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("bench_kernel.py: error: ") and message in err and err.count("\n") == 1
 
 
 def test_gpu_script_rehearsal_on_cpu(tmp_path):
