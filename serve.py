@@ -544,6 +544,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        if status in (408, 500):  # openai's clients retry these twice unless told: it would fail the same way
+            self.send_header("x-should-retry", "false")
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()

@@ -585,8 +585,12 @@ def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
         s.engine.step = lambda: time.sleep(0.05) or step()  # 200 tokens now take 10 s
         body = {"model": tiny, "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
         began = time.monotonic()
-        status, reply = request(s, "POST", "/v1/completions", body)
+        conn = http.client.HTTPConnection(s.host, s.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        status, reply = r.status, r.read()
         assert status == 408 and "--request-timeout 0.5s" in json.loads(reply)["error"]["message"]
+        assert r.getheader("x-should-retry") == "false"  # or openai's client sends it twice more
         assert time.monotonic() - began < 2
         m = wait_metrics(s, lambda m: m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0)
         assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0
