@@ -3,6 +3,7 @@ dtype) is read and its tokenizer built once per run, and every engine then gets 
 same tensors (an engine never writes into them). A GGUF file's header is parsed once per run, for us
 and for transformers alike. The loaders themselves are tested on fresh files of their own in
 test_weights.py and test_tokenizer.py."""
+import contextlib
 import functools
 import json
 import os
@@ -12,6 +13,7 @@ import torch
 
 import engine
 import weights
+from config import EngineConfig
 from model import ModelConfig
 
 
@@ -58,6 +60,40 @@ def hf_model():
 # than numerics, in milliseconds a step.
 TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16)
+
+
+@contextlib.contextmanager
+def serving(config: EngineConfig, **server_knobs):
+    """A server of config on a free loopback port, ready; stopped afterwards."""
+    from serve import Server
+    s = Server(config, port=0, **server_knobs)
+    s.start()
+    try:
+        assert s.wait_ready(300)
+        yield s
+    finally:
+        s.stop()
+
+
+@contextlib.contextmanager
+def serving_tiny(log_requests: bool = True, **knobs):
+    """A server of TINY on random weights (model name "tiny"; the byte tokenizer): for the API's fields and
+    failure paths, in milliseconds a request."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(weights.PRESETS, "tiny", TINY)
+        with serving(EngineConfig(model="tiny", dummy_weights=True, device="cpu", **knobs),
+                     log_requests=log_requests) as s:
+            yield s
+
+
+@pytest.fixture(scope="module")
+def smollm2_shapes():
+    """The preset name of SmolLM2's shapes cut to 2 layers and a vocabulary of 8192, for random weights: the
+    real model's matmul and attention kernels at a fraction of the cost."""
+    config = ModelConfig(vocab_size=8192, num_hidden_layers=2, tie_word_embeddings=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(weights.PRESETS, "smollm2-shapes", config)
+        yield "smollm2-shapes"
 
 
 @pytest.fixture

@@ -25,23 +25,13 @@ from hypothesis import HealthCheck, event, example, given, note, settings, strat
 from hypothesis import seed as hypothesis_seed
 
 import cpu
-import weights
 from engine import LLM, SamplingParams
-from model import ModelConfig
 
 EXAMPLES = int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "5"))
 SEED = os.environ.get("LANESERVE_FUZZ_SEED")
 MODES = ("float32", "bfloat16")
 BLOCK = 16
 MAX_DRAIN_STEPS = 3000  # far more than any example needs: a scheduler that stops making progress fails here
-
-
-@pytest.fixture(scope="module")
-def model():
-    config = ModelConfig(vocab_size=8192, num_hidden_layers=2, tie_word_embeddings=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "smollm2-shapes", config)
-        yield "smollm2-shapes"
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -270,18 +260,18 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
          schedule=[([pinned(185, 5), pinned(184, 6, 22, 1.5), pinned(183, 7, 18)], 8, 2)])
 @fuzz_settings
 @given(dtype=st.sampled_from(MODES), knobs=KNOBS, schedule=SCHEDULES)
-def test_lanes_never_mix_fuzzed(model, dtype, knobs, schedule):
+def test_lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
     knobs = dict(knobs)
     knobs["preemption_mode"], knobs["swap_space"] = knobs.pop("preemption")
     key = (dtype, *sorted(knobs.items()))
-    llm = cached_engine(model, key, dtype=dtype, **knobs)
+    llm = cached_engine(smollm2_shapes, key, dtype=dtype, **knobs)
     try:
         runs, finished, aborted = drive(llm, operations(schedule))
     except BaseException:
         ENGINES.pop(key, None)  # it may hold requests or blocks: the next example gets a fresh one
         raise
     for rid, (req, got) in runs.items():
-        expected, reason = lone(model, dtype, knobs["max_num_seqs"], req)
+        expected, reason = lone(smollm2_shapes, dtype, knobs["max_num_seqs"], req)
         if rid in aborted:
             assert got == expected[:len(got)], f"{rid} {req} (aborted) differs from its lone run"
         else:

@@ -10,20 +10,10 @@ from collections import defaultdict
 import pytest
 
 import cpu
-import weights
 from engine import LLM, SamplingParams
-from model import ModelConfig
 
 MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
          "int4": dict(dtype="bfloat16", quantization="int4")}
-
-
-@pytest.fixture(scope="module")
-def model():
-    config = ModelConfig(vocab_size=8192, num_hidden_layers=2, tie_word_embeddings=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "smollm2-shapes", config)
-        yield "smollm2-shapes"
 
 
 def engine(model: str, mode: str, **knobs) -> LLM:
@@ -55,13 +45,13 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["float32", "bfloat16"])
-def test_64_lanes_sampling_together(model, mode):
+def test_64_lanes_sampling_together(smollm2_shapes, mode):
     # 62 short prompts (3-60 tokens) that decode 10-16 tokens, and 2 of 400 tokens arriving last, whose
     # prefill runs beside 62 decodes; a budget of 256 cuts prompts wherever it runs out.
     rng = random.Random(64)
     requests = [(random_prompt(rng, rng.randint(3, 60)), greedy(rng.randint(10, 16))) for _ in range(62)]
     requests += [(random_prompt(rng, 400), greedy(rng.randint(2, 6))) for _ in range(2)]
-    llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True)
+    llm = engine(smollm2_shapes, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True)
     together = run(llm, requests)
     assert any(sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step)
                for step in llm.trace)
@@ -70,7 +60,7 @@ def test_64_lanes_sampling_together(model, mode):
 
 
 @pytest.fixture(scope="module")
-def shared_prefixes(model) -> list[tuple[list[int], SamplingParams]]:
+def shared_prefixes(smollm2_shapes) -> list[tuple[list[int], SamplingParams]]:
     """16 requests: system prompts of 40, 100 and 260 tokens shared by 4 requests each, and 4 without."""
     rng = random.Random(16)
     systems = [random_prompt(rng, n) for n in (40, 100, 260)]
@@ -79,15 +69,15 @@ def shared_prefixes(model) -> list[tuple[list[int], SamplingParams]]:
 
 
 @pytest.mark.parametrize("mode", ["float32", "bfloat16", "int4"])
-def test_lanes_alone_equal_lanes_together_in_every_path(model, shared_prefixes, mode):
+def test_lanes_alone_equal_lanes_together_in_every_path(smollm2_shapes, shared_prefixes, mode):
     requests = shared_prefixes
-    expected = alone(engine(model, mode, max_num_batched_tokens=512), requests)
+    expected = alone(engine(smollm2_shapes, mode, max_num_batched_tokens=512), requests)
     for budget in (32, 64, 512):
-        llm = engine(model, mode, max_num_batched_tokens=budget, enable_prefix_caching=True)
+        llm = engine(smollm2_shapes, mode, max_num_batched_tokens=budget, enable_prefix_caching=True)
         assert run(llm, requests) == expected, budget
         assert llm.scheduler.prefix_hits > 0
     for preemption in ("recompute", "swap"):  # 24 blocks of 16 tokens: a few sequences at a time
-        llm = engine(model, mode, num_kv_blocks=24, max_num_batched_tokens=64,
+        llm = engine(smollm2_shapes, mode, num_kv_blocks=24, max_num_batched_tokens=64,
                      preemption_mode=preemption, swap_space=0.05)
         assert run(llm, requests) == expected, preemption
         assert llm.scheduler.num_preemptions > 0
@@ -95,9 +85,9 @@ def test_lanes_alone_equal_lanes_together_in_every_path(model, shared_prefixes, 
 
 
 @pytest.mark.parametrize("mode", ["float32", "bfloat16"])
-def test_lanes_in_an_engine_of_few_sequences(model, shared_prefixes, mode):
+def test_lanes_in_an_engine_of_few_sequences(smollm2_shapes, shared_prefixes, mode):
     # max_num_seqs 4: matmuls run 16 rows at a time (cpu.row_tile), so a 64-token budget's prefill
     # chunks take several tiles beside the decodes.
-    llm = engine(model, mode, max_num_seqs=4, max_num_batched_tokens=64)
+    llm = engine(smollm2_shapes, mode, max_num_seqs=4, max_num_batched_tokens=64)
     assert {m.tile for m in llm.runner.model.modules() if isinstance(m, cpu.TiledLinear)} == {16}
     assert run(llm, shared_prefixes) == alone(llm, shared_prefixes)

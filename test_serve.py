@@ -3,7 +3,6 @@ strings, logprobs; 64 concurrent streams with disconnects; hostile inputs; conti
 outside; the CLI. One in-process server on loopback serves most tests."""
 import argparse
 import asyncio
-import contextlib
 import http.client
 import importlib
 import importlib.metadata
@@ -24,7 +23,7 @@ import torch
 
 import weights
 from config import EngineConfig, add_cli_args, from_cli_args
-from conftest import TINY
+from conftest import serving_tiny
 from serve import Server, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -598,25 +597,9 @@ def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
         s.stop()
 
 
-@contextlib.contextmanager
-def serving_tiny(max_model_len: int):
-    """A server on random weights (a two-layer model with SmolLM2's vocabulary and the byte tokenizer), prefix
-    caching on: for the API's fields and failure paths, in milliseconds a request."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "tiny", TINY)
-        s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=256, device="cpu",
-                                enable_prefix_caching=True, max_model_len=max_model_len), port=0)
-        s.start()
-        try:
-            assert s.wait_ready(120)
-            yield s
-        finally:
-            s.stop()
-
-
 @pytest.fixture(scope="module")
 def tiny_server():
-    with serving_tiny(256) as s:
+    with serving_tiny(num_kv_blocks=256, enable_prefix_caching=True, max_model_len=256) as s:
         yield s
 
 
@@ -775,7 +758,7 @@ def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypat
 @pytest.fixture
 def short_server():
     """tiny_server with a 96-token context: a chat that names no max_tokens fills what is left of it."""
-    with serving_tiny(96) as s:
+    with serving_tiny(num_kv_blocks=256, enable_prefix_caching=True, max_model_len=96) as s:
         yield s
 
 

@@ -22,10 +22,8 @@ from hypothesis import note as _note
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
-import weights
 from config import EngineConfig
-from conftest import TINY
-from serve import Server
+from conftest import serving, serving_tiny
 
 HUNT = int(os.environ.get("PARITY_HUNT", "0"))
 
@@ -47,46 +45,25 @@ def one_thread():
 def tiny_server(one_thread):
     """Random weights, SmolLM2's vocabulary and the byte tokenizer; prefix caching on (README: a request's
     tokens and logprobs are the same, bit for bit, whether its prefix came from the cache or not)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "tiny", TINY)
-        s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=256, device="cpu",
-                                enable_prefix_caching=True, max_model_len=256), port=0, log_requests=False)
-        s.start()
-        try:
-            assert s.wait_ready(120)
-            yield s
-        finally:
-            s.stop()
+    with serving_tiny(False, num_kv_blocks=256, enable_prefix_caching=True, max_model_len=256) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def tight_server(one_thread):
     """tiny_server with a pool of 12 blocks (192 tokens) and 32 tokens a step: n sequences of a request, or two
     requests at once, preempt each other (recomputed) and have their prompts cut into chunks."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(weights.PRESETS, "tiny", TINY)
-        s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=12, device="cpu",
-                                enable_prefix_caching=True, max_model_len=192, max_num_batched_tokens=32,
-                                max_num_seqs=16), port=0, log_requests=False)
-        s.start()
-        try:
-            assert s.wait_ready(120)
-            yield s
-        finally:
-            s.stop()
+    with serving_tiny(False, num_kv_blocks=12, enable_prefix_caching=True, max_model_len=192,
+                      max_num_batched_tokens=32, max_num_seqs=16) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def smol_server(one_thread):
     """SmolLM2-135M (the default checkpoint), float32, as test_serve.py's server."""
-    s = Server(EngineConfig(num_kv_blocks=512, max_num_seqs=16, device="cpu", dtype="float32"), port=0,
-               log_requests=False)
-    s.start()
-    try:
-        assert s.wait_ready(300)
+    with serving(EngineConfig(num_kv_blocks=512, max_num_seqs=16, device="cpu", dtype="float32"),
+                 log_requests=False) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def note(text: str) -> None:
@@ -330,40 +307,21 @@ def run_case(server, chat: bool, body: dict, data) -> None:
             assert any(ref.startswith(s, len(text)) for s in stops), (i, text, ref, stops)
 
 
-@examples(10)
-@given(body=requests(chat=False, tiny=True), data=st.data())
-def test_completions_tiny(tiny_server, body, data):
-    run_case(tiny_server, False, body, data)
+def parity_test(server: str, chat: bool, n: int, **kinds):
+    """A test of run_case on the fixture named server, n examples of requests(chat, **kinds)."""
+    @examples(n)
+    @given(data=st.data())
+    def test(request, data):
+        run_case(request.getfixturevalue(server), chat, data.draw(requests(chat, **kinds), label="request"), data)
+    return test
 
 
-@examples(10)
-@given(body=requests(chat=True, tiny=True), data=st.data())
-def test_chat_tiny(tiny_server, body, data):
-    run_case(tiny_server, True, body, data)
-
-
-@examples(4)
-@given(body=requests(chat=False, tiny=True, tight=True), data=st.data())
-def test_completions_tiny_preempted(tight_server, body, data):
-    run_case(tight_server, False, body, data)
-
-
-@examples(4)
-@given(body=requests(chat=True, tiny=True, tight=True), data=st.data())
-def test_chat_tiny_preempted(tight_server, body, data):
-    run_case(tight_server, True, body, data)
-
-
-@examples(2)
-@given(body=requests(chat=False, tiny=False), data=st.data())
-def test_completions_smollm2(smol_server, body, data):
-    run_case(smol_server, False, body, data)
-
-
-@examples(2)
-@given(body=requests(chat=True, tiny=False), data=st.data())
-def test_chat_smollm2(smol_server, body, data):
-    run_case(smol_server, True, body, data)
+test_completions_tiny = parity_test("tiny_server", False, 10, tiny=True)
+test_chat_tiny = parity_test("tiny_server", True, 10, tiny=True)
+test_completions_tiny_preempted = parity_test("tight_server", False, 4, tiny=True, tight=True)
+test_chat_tiny_preempted = parity_test("tight_server", True, 4, tiny=True, tight=True)
+test_completions_smollm2 = parity_test("smol_server", False, 2, tiny=False)
+test_chat_smollm2 = parity_test("smol_server", True, 2, tiny=False)
 
 
 def test_a_stop_string_completed_by_the_last_character_ends_the_reply(tiny_server):
