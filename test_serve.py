@@ -763,7 +763,7 @@ def short_server():
 
 
 def test_fuzz_the_api_from_its_openapi_description(short_server):
-    """2,000 requests drawn from /openapi.json's fields, each field's value of its declared type or any JSON
+    """1,200 requests drawn from /openapi.json's fields, each field's value of its declared type or any JSON
     value: never a 5xx, never a hang, and afterwards a normal request is served and no KV is held."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -789,7 +789,7 @@ def test_fuzz_the_api_from_its_openapi_description(short_server):
         for props, required in [(schema["properties"], schema["required"])]]
     seen, conn = [], http.client.HTTPConnection(short_server.host, short_server.port, timeout=60)
 
-    @settings(max_examples=2000, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=1200, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(posts).flatmap(lambda p: st.tuples(st.just(p[0]), p[1])))
     def case(arg):
@@ -805,7 +805,7 @@ def test_fuzz_the_api_from_its_openapi_description(short_server):
             assert json.loads(raw)["error"]["message"]
     case()
     print("fuzz statuses:", {s: seen.count(s) for s in sorted(set(seen))})
-    assert len(seen) >= 2000 and seen.count(200) >= 100, {s: seen.count(s) for s in set(seen)}
+    assert len(seen) >= 1200 and seen.count(200) >= 60, {s: seen.count(s) for s in set(seen)}
     assert request(short_server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
     m = wait_metrics(short_server, lambda m: m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0)
     assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0
