@@ -101,6 +101,8 @@ def test_health_models_and_metrics(server):
     for name in ["time_to_first_token_seconds", "inter_token_latency_seconds"]:
         assert f"# TYPE vllm:{name} histogram" in text
         assert f'vllm:{name}_bucket{{model_name="smollm2-135m",le="+Inf"}}' in text
+    for name, top in [("time_to_first_token_seconds", 2560.0), ("e2e_request_latency_seconds", 7680.0)]:
+        assert f'vllm:{name}_bucket{{model_name="smollm2-135m",le="{top}"}}' in text  # vLLM's bounds
 
 
 def test_chat(server, client):
