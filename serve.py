@@ -130,12 +130,13 @@ class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  max_queue: int = 1024, timeout: float = 30.0, max_body: int = 8 * 2**20,
                  served_model_name: str | None = None, request_timeout: float | None = None,
-                 log_requests: bool = True):
+                 log_requests: bool = True, allowed_origins: tuple[str, ...] = ()):
         self.config, self.host, self.port, self.api_key, self.max_queue = config, host, port, api_key, max_queue
         self.served_model_name = served_model_name
         self.request_timeout = request_timeout  # seconds from submission; the request then ends, its KV freed
         self.timeout = timeout    # per-connection socket timeout: a stalled client holds only its own thread
         self.max_body = max_body  # bytes
+        self.allowed_origins = allowed_origins  # web pages (scheme://host:port, or "*") whose scripts may call us
         self.engine: Engine | None = None  # set once loaded
         self.model_names: list[str] = []   # the served name first, then others a request may use
         self.stats: dict[str, float] = {}  # the engine's, snapshot by its thread: it alone may read the engine
@@ -483,8 +484,28 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._send(code, ApiError(code, message or HTTPStatus(code).phrase).body())
 
+    def end_headers(self) -> None:
+        # CORS: a page of an allowed origin may read our answers. (No headers yet: a refused request line.)
+        if origin := self._origin():
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
+    def _origin(self) -> str | None:
+        origin, allowed = getattr(self, "headers", None) and self.headers.get("Origin"), self.app.allowed_origins
+        return origin if origin and ("*" in allowed or origin in allowed) else None
+
     def do_GET(self) -> None:
         began, self.status, self.log_info = time.monotonic(), 0, {}
+        if self.command == "OPTIONS" and self._origin() and self.headers.get("Access-Control-Request-Method"):
+            # A browser's CORS preflight (it carries no API key): which methods and headers the request may use.
+            self.send_response(204)
+            for header in [("Access-Control-Allow-Methods", "GET, POST"), ("Access-Control-Max-Age", "600"),
+                           ("Access-Control-Allow-Headers", self.headers.get("Access-Control-Request-Headers", "")),
+                           ("Content-Length", "0")]:
+                self.send_header(*header)
+            self.end_headers()
+            return
         method = "GET" if self.command == "HEAD" else self.command  # HEAD: GET's headers, no body
         if method not in ("GET", "POST"):
             self.close_connection = True  # a body it may carry stays unread
@@ -809,6 +830,8 @@ def _parser() -> ArgumentParser:
     a("--served-model-name", help="the model's name in the API: /v1/models, responses, and the one requests "
       "may name (default: --model and the checkpoint's file name)")
     a("--disable-log-requests", action="store_true", help="no access-log line per request on stderr")
+    a("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="web pages whose scripts may call the "
+      "server (CORS), as scheme://host:port, or * for any (default none; vLLM's is *)")
     add_cli_args(p)
     return p
 
@@ -828,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     server = Server(config, args.host, args.port, args.api_key, args.max_queue,
                     served_model_name=args.served_model_name, request_timeout=args.request_timeout,
-                    log_requests=not args.disable_log_requests)
+                    log_requests=not args.disable_log_requests, allowed_origins=tuple(args.allowed_origins))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -23,7 +23,7 @@ import torch
 
 import weights
 from config import EngineConfig, add_cli_args, from_cli_args
-from conftest import serving_tiny
+from conftest import serving, serving_tiny
 from serve import Server, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -835,3 +835,31 @@ def test_a_wheel_holds_everything_the_server_runs(tmp_path):
     import serve
     data = next(n for n in wheel.namelist() if n.endswith("page.html")).split(".data/data/")[1]
     assert os.path.join(sys.prefix, data) == serve.PAGES[1]
+
+
+def test_cors_for_allowed_origins_only(tiny):
+    """--allowed-origins: a page of an allowed origin may call the API from a browser, preflight included
+    (which carries no API key); other origins get no CORS headers, so their scripts cannot read replies."""
+    app = "http://app.example:3000"
+    with serving(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), api_key="k",
+                 allowed_origins=(app,), log_requests=False) as s:
+        def call(method: str, origin: str, headers: dict | None = None, body: dict | None = None):
+            conn = http.client.HTTPConnection(s.host, s.port, timeout=60)
+            conn.request(method, "/v1/completions", json.dumps(body) if body else None,
+                         {"Origin": origin, **(headers or {})})
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            return r.status, r.getheader("Access-Control-Allow-Origin"), r
+        preflight = {"Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        status, allowed, r = call("OPTIONS", app, preflight)
+        assert (status, allowed) == (204, app) and r.getheader("Access-Control-Allow-Headers") == \
+            "authorization, content-type" and "POST" in r.getheader("Access-Control-Allow-Methods")
+        body = {"model": tiny, "prompt": [1, 2], "max_tokens": 2}
+        for extra in ({}, {"stream": True}):
+            assert call("POST", app, {"Authorization": "Bearer k"}, {**body, **extra})[:2] == (200, app)
+        assert call("POST", app, {}, body)[:2] == (401, app)  # refusals readable too
+        status, allowed, _ = call("OPTIONS", "http://evil.example", preflight)
+        assert status != 204 and allowed is None
+        assert call("POST", "http://evil.example", {"Authorization": "Bearer k"}, body)[:2] == (200, None)
