@@ -658,9 +658,15 @@ class Handler(BaseHTTPRequestHandler):
             lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         self._send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4; charset=utf-8")
 
+    def _check_model(self, body: dict) -> None:
+        """A request may name the model (one of its names) or not."""
+        if (model := _get(body, "model", str, self.app.model_names[0])) not in self.app.model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
     def _tokenize(self, raw: bytes) -> None:
         """vLLM's /tokenize: a completion's prompt or a chat's messages, as the engine would see them."""
         engine, body = self._engine(), _json_object(raw, self.route)
+        self._check_model(body)
         if "messages" in body:
             ids = _chat_prompt(body, engine, _get(body, "add_generation_prompt", bool, True))
         else:
@@ -672,6 +678,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _detokenize(self, raw: bytes) -> None:
         engine, body = self._engine(), _json_object(raw, self.route)
+        self._check_model(body)
         ids, vocab = body.get("tokens"), engine.model_config.vocab_size
         if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)):
             raise ApiError(400, f"'tokens' must be an array of token ids in [0, {vocab})", "tokens")
@@ -715,9 +722,7 @@ class Handler(BaseHTTPRequestHandler):
         echo = _get(body, "echo", bool, False)
         if echo and body.get("logprobs") is not None:
             raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-        model = _get(body, "model", str, self.app.model_names[0])
-        if model not in self.app.model_names:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        self._check_model(body)
         n = _get(body, "n", int, 1)
         if not 1 <= n <= 128:
             raise ApiError(400, "'n' must be in [1, 128]", "n")

@@ -513,6 +513,10 @@ def test_tokenize_detokenize_version(server):
                        ("/tokenize", b"[1]")]:
         status, reply = request(server, "POST", path, body)
         assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", (path, reply)
+    for path, body in [("/tokenize", {"prompt": "x", "model": "gpt-4"}), ("/detokenize", {"tokens": [1], "model": "x"})]:
+        status, reply = request(server, "POST", path, body)
+        assert status == 404 and json.loads(reply)["error"]["code"] == "model_not_found", (path, reply)
+    assert request(server, "POST", "/tokenize", {"prompt": "x", "model": "smollm2-135m"})[0] == 200
     status, body = request(server, "GET", "/version")
     assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("laneserve")
 
