@@ -440,8 +440,8 @@ def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) 
     tokens = [tok.decode([x.token_id]) for x in lps]
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
             # The sampled token's always, as OpenAI documents: up to logprobs + 1 entries.
-            "top_logprobs": [{tok.decode([x.token_id]): x.logprob, **{tok.decode([t]): lp for t, lp in x.top}}
-                             for x in lps],
+            "top_logprobs": [{text: x.logprob, **{tok.decode([t]): lp for t, lp in x.top}}
+                             for text, x in zip(tokens, lps)],
             "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))}
 
 
