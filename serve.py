@@ -13,6 +13,7 @@ import json
 import math
 import os
 import queue
+import re
 import select
 import signal
 import socket
@@ -545,9 +546,15 @@ class Handler(BaseHTTPRequestHandler):
     do_POST = do_HEAD = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_GET
 
     def _read_body(self) -> bytes:
+        coding = self.headers.get("Transfer-Encoding")
+        if coding is not None and coding.strip().lower() == "chunked" and "Content-Length" not in self.headers:
+            return self._read_chunks()
         length = int(n) if (n := self.headers.get("Content-Length", "")).isdecimal() else -1
-        if not 0 <= length <= self.app.max_body or "Transfer-Encoding" in self.headers:
+        if not 0 <= length <= self.app.max_body or coding is not None:
             self.close_connection = True  # the unread body would be taken for the next request
+            if coding is not None:  # another coding, or both headers (a request-smuggling pattern)
+                raise ApiError(501 if "Content-Length" not in self.headers else 400,
+                               f"Transfer-Encoding {coding[:50]!r}: only 'chunked', without a Content-Length")
             if length > self.app.max_body:
                 # Read and drop a body of up to 8 times the limit first: a client that sends all of its
                 # body before reading the answer would find the connection reset instead of the 413.
@@ -564,6 +571,35 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise ApiError(400, f"the request body ended after {len(body)} of its {length} bytes")
         return body
+
+    def _read_chunks(self) -> bytes:
+        """A body sent as chunks, each its size in hex on a line of its own, then its bytes and CRLF; a
+        chunk of size 0 and an empty line (after any trailer lines) end it. Clients that stream an upload
+        send this instead of a Content-Length."""
+        body = b""
+        try:
+            while size := self._chunk_size():
+                if len(body) + size > self.app.max_body:
+                    self.close_connection = True
+                    raise ApiError(413, f"the request body is over {self.app.max_body} bytes")
+                data = self.rfile.read(size + 2)
+                if data[size:] != b"\r\n":
+                    self.close_connection = True
+                    raise ApiError(400, "a chunk of the request body is cut short or not followed by CRLF")
+                body += data[:size]
+            while self.rfile.readline(8192).strip():  # trailer fields: read past, unused
+                pass
+        except TimeoutError:
+            self.close_connection = True
+            raise ApiError(408, f"timed out after {self.app.timeout:g}s reading the request body") from None
+        return body
+
+    def _chunk_size(self) -> int:
+        line = self.rfile.readline(1024).split(b";")[0].strip()  # ";name=value": chunk extensions, unused
+        if not re.fullmatch(rb"[0-9a-fA-F]{1,8}", line):
+            self.close_connection = True
+            raise ApiError(400, f"malformed chunk size {line[:20]!r} in the request body")
+        return int(line, 16)
 
     def _send(self, status: int, obj: dict | str, content_type: str = "application/json") -> None:
         data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()

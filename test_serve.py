@@ -366,6 +366,23 @@ def test_http_layer_refusals_come_as_openai_json(server):
     # A body cut short by a half-close is refused as such, not parsed as it stands.
     got, body = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", shut=True)
     assert got == 400 and "2 of its 100 bytes" in body["error"]["message"]
+    for head, status in [(b"Transfer-Encoding: gzip", 501), (b"Transfer-Encoding: chunked\r\nContent-Length: 2", 400)]:
+        assert raw_exchange(server, b"POST /tokenize HTTP/1.1\r\n%s\r\n\r\n{}" % head, shut=True)[0] == status
+    chunked = b"POST /tokenize HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    got, body = raw_exchange(server, chunked + b"zz\r\n", shut=True)
+    assert got == 400 and "chunk size" in body["error"]["message"]
+    # A body sent in chunks (a client streaming its upload) is read whole, extensions and trailers skipped,
+    # and the connection goes on to the next request.
+    data = json.dumps({"prompt": "Hello there"}).encode()
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall(chunked + b"5;x=y\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (data[:5], len(data) - 5, data[5:])
+                  + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    first, second = reply.split(b"HTTP/1.1 ")[1:]
+    assert first.startswith(b"200") and second.startswith(b"200"), reply
+    assert json.loads(first.partition(b"\r\n\r\n")[2])["count"] >= 2
     # A client that writes all of its oversized body before reading gets the 413, not a reset.
     status, raw = request(server, "POST", "/v1/completions", b"x" * (9 << 20))
     assert status == 413 and json.loads(raw)["error"]["message"]
@@ -632,13 +649,13 @@ def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_tiny_temperature_is_greedy(tiny_client):
-    """Logits divided by 1e-38 overflow float32 (to a flat row once made finite): below 1e-5 sampling is
-    greedy, as in vLLM."""
-    args = dict(model="tiny", prompt="Greedy", max_tokens=8, extra_body={"ignore_eos": True})
-    greedy = tiny_client.completions.create(**args, temperature=0).choices[0].text
+def test_a_tiny_temperature_samples_at_a_hundredth(tiny_client):
+    """Logits divided by 1e-38 overflow float32: below 0.01 a temperature is taken as 0.01, as in vLLM."""
+    args = dict(model="tiny", prompt="Tiny", max_tokens=8, extra_body={"ignore_eos": True})
     for temperature, seed in [(1e-38, 0), (1e-38, 1), (5e-6, 2)]:
-        assert tiny_client.completions.create(**args, temperature=temperature, seed=seed).choices[0].text == greedy
+        r = tiny_client.completions.create(**args, temperature=temperature, seed=seed).choices[0]
+        assert r.finish_reason == "length"
+        assert r.text == tiny_client.completions.create(**args, temperature=0.01, seed=seed).choices[0].text
 
 
 def test_echo_stop_token_ids_and_cached_tokens(tiny_server, tiny_client):
