@@ -265,14 +265,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         if not (p.temperature or p.logprobs is not None or processed):
             continue
         try:
-            logit = _process(logits[i].float(), seq) if processed else logits[i].float()
+            raw = logits[i].float()
+            logit = _process(raw.clone(), seq) if processed else raw
             if p.temperature:
                 tokens[i] = _draw(logit / p.temperature, p, seq.generator)
             elif processed:
                 tokens[i] = logit.argmax()
             if p.logprobs is not None:
-                # Reported from the model's distribution (after penalties, before temperature), as vLLM does.
-                lp = logit.log_softmax(-1)
+                # From the model's own distribution, before penalties, bias and temperature, as vLLM's default.
+                lp = raw.log_softmax(-1)
                 top = lp.topk(p.logprobs)
                 logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices, top.values
         except Exception as e:
@@ -331,10 +332,13 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
     cannot raise for one row (a CUDA assert would end every sequence), and sample() flags the row."""
     row, ids = row.nan_to_num(), None  # ids: the vocabulary ids of row's entries, when not all of them
     if 0 < p.top_k < len(row):
-        row, ids = torch.topk(row, p.top_k)  # the others would get probability 0: draw among these alone
+        # The others would get probability 0: draw among these alone. Ties with the k-th stay, as in vLLM.
+        ids = (row >= row.topk(p.top_k).values[-1]).nonzero()[:, 0]
+        row = row[ids]
     probs = row.softmax(-1)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
+        probs /= probs.sum()  # top_p measures the mass of the tokens min_p leaves, as in vLLM
     if p.top_p < 1:
         # Only the likeliest tokens can make the nucleus. On CPU, where sorting a whole vocabulary is slow
         # (README), sort just the TOP_P_HEAD likeliest, and all only if they fall short of top_p.

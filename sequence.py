@@ -55,7 +55,7 @@ class SamplingParams:
                      (type(t) is int or isinstance(t, str) and t.isdecimal()) and type(b) in (int, float)
                      for t, b in self.logit_bias.items()), "logit_bias must map token ids to numbers")])
         self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
-        require([(self.temperature >= 0, "temperature must be >= 0"),
+        require([(0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}"),
                  (all(self.stop), "stop cannot contain an empty string"),
                  (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
@@ -66,10 +66,10 @@ class SamplingParams:
                  (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
                  (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-                 (0 < self.repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
+                 (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
                  (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]")])
-        if self.temperature < 1e-5:  # greedy, as in vLLM: logits divided by less can overflow float32
-            self.temperature = 0.0
+        if 0 < self.temperature < 0.01:  # as vLLM: logits divided by less can overflow float32
+            self.temperature = 0.01
 
 
 class Status(Enum):

@@ -284,6 +284,11 @@ def test_min_tokens_logit_bias_and_special_tokens(tiny):
     out = llm.generate([[1, 2, 3]] * 2, [forced, SamplingParams(temperature=0, max_tokens=3, logit_bias={start: 100},
                                                             skip_special_tokens=False)])
     assert out[0].text == "" and out[1].text == "<|im_start|>" * 3
+    # Logprobs are the model's own, as vLLM's default: the bias changes the token, not the distribution.
+    plain, biased = llm.generate([[1, 2, 3]] * 2, [SamplingParams(temperature=0, max_tokens=1, logprobs=3),
+                                                    SamplingParams(temperature=0, max_tokens=1, logprobs=3,
+                                                                   logit_bias={start: 100})])
+    assert biased.token_ids == [start] and biased.logprob.top == plain.logprob.top
     # An ignored EOS is text like any special token, as in vLLM: dropped unless skip_special_tokens is off.
     eos_forced = dict(temperature=0, max_tokens=2, logit_bias={eos: 100}, ignore_eos=True)
     out = llm.generate([[1, 2, 3]] * 2, [SamplingParams(**eos_forced),

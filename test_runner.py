@@ -121,16 +121,20 @@ def test_random_weights_need_no_files(tmp_path):
     assert run.stdout.strip() == "h\u00e9llo <|im_end|>"
 
 
-@pytest.mark.parametrize("knobs, expected", [
-    ({}, [0.5, 0.3, 0.15, 0.05, 0]),
-    ({"top_k": 2}, [0.625, 0.375, 0, 0, 0]),
-    ({"top_p": 0.85}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
-    ({"min_p": 0.2}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
+@pytest.mark.parametrize("probs, knobs, expected", [
+    ([0.5, 0.3, 0.15, 0.05, 0], {}, [0.5, 0.3, 0.15, 0.05, 0]),
+    ([0.5, 0.3, 0.15, 0.05, 0], {"top_k": 2}, [0.625, 0.375, 0, 0, 0]),
+    ([0.5, 0.3, 0.15, 0.05, 0], {"top_p": 0.85}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
+    ([0.5, 0.3, 0.15, 0.05, 0], {"min_p": 0.2}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
+    # As in vLLM: top_p measures the mass min_p leaves (0.5 / 0.95 + 0.3 / 0.95 > 0.82: the third goes) ...
+    ([0.5, 0.3, 0.15, 0.05, 0], {"min_p": 0.2, "top_p": 0.82}, [0.625, 0.375, 0, 0, 0]),
+    # ... and top_k keeps every token tied with the k-th.
+    ([0.4, 0.2, 0.2, 0.1, 0.1], {"top_k": 2}, [0.5, 0.25, 0.25, 0, 0]),
 ])
-def test_draws_follow_the_distribution(knobs, expected):
+def test_draws_follow_the_distribution(probs, knobs, expected):
     """10,000 draws: each token's frequency within 0.02 of its probability (4 standard deviations of the
     worst case), and a token of probability 0 never drawn."""
-    row = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]).log()
+    row = torch.tensor(probs).log()
     g, p = torch.Generator().manual_seed(0), SamplingParams(**knobs)
     counts = torch.bincount(torch.stack([_draw(row, p, g) for _ in range(10_000)]), minlength=5)
     freq = counts / counts.sum()
