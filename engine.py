@@ -60,6 +60,7 @@ class Engine:
         if template:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         weights.read_gguf.cache_clear()
+        self.sampling_defaults = weights.sampling_defaults(r.checkpoint_path)
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}
@@ -81,7 +82,7 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step with room for it."""
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.sampling_defaults)
         if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = (self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str)
@@ -219,7 +220,7 @@ class LLM(Engine):
             raise ValueError(f"prompts: a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
         if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or SamplingParams(**self.sampling_defaults)] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         ids: list[str] = []

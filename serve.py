@@ -413,15 +413,18 @@ def _sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i:
         raise ApiError(400, "'logit_bias' must map token ids to numbers", "logit_bias")
     if not all(type(t) is int for t in stop_ids):
         raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
+    d = engine.sampling_defaults  # the checkpoint's generation_config.json, as in vLLM
     try:
         return SamplingParams(
-            temperature=_get(body, "temperature", float, 1.0), top_p=_get(body, "top_p", float, 1.0),
-            top_k=_get(body, "top_k", int, 0), min_p=_get(body, "min_p", float, 0.0), max_tokens=max_tokens,
+            temperature=_get(body, "temperature", float, d.get("temperature", 1.0)),
+            top_p=_get(body, "top_p", float, d.get("top_p", 1.0)), top_k=_get(body, "top_k", int, d.get("top_k", 0)),
+            min_p=_get(body, "min_p", float, d.get("min_p", 0.0)), max_tokens=max_tokens,
             seed=None if seed is None else (seed + i) % 2**64, ignore_eos=_get(body, "ignore_eos", bool, False),
             stop=stop, presence_penalty=_get(body, "presence_penalty", float, 0.0),
             frequency_penalty=_get(body, "frequency_penalty", float, 0.0), logprobs=logprobs,
             stop_token_ids=stop_ids, min_tokens=_get(body, "min_tokens", int, 0),
-            repetition_penalty=_get(body, "repetition_penalty", float, 1.0), logit_bias=bias,
+            repetition_penalty=_get(body, "repetition_penalty", float, d.get("repetition_penalty", 1.0)),
+            logit_bias=bias,
             skip_special_tokens=_get(body, "skip_special_tokens", bool, True))
     except ValueError as e:  # the messages read "<field> must be ..."
         raise ApiError(400, str(e), str(e).split()[0]) from e
@@ -917,6 +920,9 @@ def main(argv: list[str] | None = None) -> int:
               f"KV {bm.num_blocks} blocks = {kv_tokens} tokens, max concurrency {config.max_num_seqs} requests "
               f"({kv_tokens / e.max_model_len:.2f}x at the full {e.max_model_len}-token context), "
               f"ready in {time.monotonic() - began:.1f}s, serving {server.url}", file=sys.stderr)
+        if e.sampling_defaults:
+            print(f"laneserve: requests default to the checkpoint's generation_config.json: {e.sampling_defaults}",
+                  file=sys.stderr)
         stop.wait()
     print("laneserve: stopping", file=sys.stderr)
     if server.engine is None:

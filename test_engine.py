@@ -320,3 +320,25 @@ def test_repetition_penalty_is_vllms():
     seq.token_ids.append(3)
     got = _process(torch.tensor([2.0, -1.0, 3.0, 0.5]), seq)
     assert got.tolist() == [1.0, -2.0, 3.0, 0.25]
+
+
+def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer):
+    """A Hugging Face directory's generation_config.json gives the sampling values a request leaves out, as in
+    vLLM: here greedy, which random weights' near-flat logits would otherwise almost never give."""
+    import json
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import serve
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    hf_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "max_length": 9}))
+    llm = LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16)
+    assert llm.sampling_defaults == {"temperature": 0.0, "top_p": 0.9}
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    assert llm.generate([1, 2, 3])[0].token_ids == llm.generate([1, 2, 3], greedy)[0].token_ids
+    params = serve._sampling_params({"top_p": 0.5}, False, 3, llm, 0)
+    assert (params.temperature, params.top_p) == (0.0, 0.5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature must be in"):
+        weights.sampling_defaults(str(tmp_path))

@@ -375,8 +375,8 @@ def test_http_layer_refusals_come_as_openai_json(server):
     # and the connection goes on to the next request.
     data = json.dumps({"prompt": "Hello there"}).encode()
     with socket.create_connection((server.host, server.port), timeout=30) as s:
-        s.sendall(chunked + b"5;x=y\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (data[:5], len(data) - 5, data[5:])
-                  + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+        pieces = b"5;x=y\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: 1\r\n\r\n" % (data[:5], len(data) - 5, data[5:])
+        s.sendall(chunked + pieces + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
         reply = b""
         while chunk := s.recv(65536):
             reply += chunk

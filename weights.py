@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from config import DEFAULT_MODEL
 from model import ModelConfig, rope_inv_freq, tp_check, tp_split
+from sequence import SamplingParams
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -49,6 +50,8 @@ _HF_REPOS: dict[str, tuple[str, ...]] = {
     "llama3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
     "llama3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct",),
 }
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # see sampling_defaults
 
 # GGUF names -> HF names: the top-level tensors, and the parts of layer N ("blk.N.<part>.weight").
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -275,6 +278,22 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
                         (slice(None),) * split[0] + (slice(split[1], split[2]),)]
                     state[name] = t.to(dtype)
     return config, state
+
+
+def sampling_defaults(path: str | None) -> dict[str, float]:
+    """What a Hugging Face directory's generation_config.json sets of SAMPLING_KEYS: as in vLLM, the defaults
+    of requests that leave them out (Llama 3 Instruct's: temperature 0.6, top_p 0.9). {} for other checkpoints."""
+    file = os.path.join(path, "generation_config.json") if path and os.path.isdir(path) else ""
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file) as f:
+            config = json.load(f)
+        values = {k: config[k] for k in SAMPLING_KEYS if isinstance(config, dict) and config.get(k) is not None}
+        SamplingParams(**values)
+    except ValueError as e:  # not JSON, or out of range
+        raise ValueError(f"{file}: {e}") from None
+    return values
 
 
 def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
