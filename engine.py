@@ -60,7 +60,7 @@ class Engine:
         if template:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         weights.read_gguf.cache_clear()
-        self.sampling_defaults = weights.sampling_defaults(r.checkpoint_path)
+        self.sampling_defaults = weights.sampling_defaults(r.checkpoint_path) if c.generation_config == "auto" else {}
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}

@@ -339,6 +339,7 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
     assert llm.generate([1, 2, 3])[0].token_ids == llm.generate([1, 2, 3], greedy)[0].token_ids
     params = serve._sampling_params({"top_p": 0.5}, False, 3, llm, 0)
     assert (params.temperature, params.top_p) == (0.0, 0.5)
+    assert LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16, generation_config="vllm").sampling_defaults == {}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
     with pytest.raises(ValueError, match="generation_config.json: temperature must be in"):
         weights.sampling_defaults(str(tmp_path))
