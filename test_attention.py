@@ -203,27 +203,40 @@ def test_store_kv_exact_and_skips_padding():
 
 # the CUDA sources compile (no GPU needed)
 
-def _run(cmd):
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+@pytest.fixture(scope="module")
+def compiles(tmp_path_factory):
+    """The kernel for sm_80 and sm_90 (nvcc), and the binding against torch's headers (C++ syntax only), with
+    the flags torch's own build uses: C++20 and its NVCC defines (no implicit half/bfloat16 conversions). Both
+    start at once, a core each; each test waits for its own."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+    commands = {
+        "kernel": ["nvcc", "-O3", "-std=c++20", *COMMON_NVCC_FLAGS, "-gencode", "arch=compute_80,code=sm_80",
+                   "-gencode", "arch=compute_90,code=sm_90", "-c", "attention_cuda/paged_attention.cu",
+                   "-o", str(tmp_path_factory.mktemp("nvcc") / "paged_attention.o")],
+        "binding": [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only",
+                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+                    *(a for p in include_paths() for a in ("-isystem", p)), "attention_cuda/binding.cpp"]}
+    procs = {name: subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, cmd in commands.items()}
+    yield procs
+    for proc in procs.values():
+        proc.kill()
+        proc.wait()
 
 
-# The flags torch's own build uses: C++20 and its NVCC defines (no implicit half/bfloat16 conversions).
+def compiled(proc: subprocess.Popen) -> None:
+    output = proc.communicate()[0]
+    assert proc.returncode == 0, f"{' '.join(proc.args)}\n{output}"
+
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-def test_kernel_compiles_for_sm80_and_sm90(tmp_path):
-    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
-    _run(["nvcc", "-O3", "-std=c++20", *COMMON_NVCC_FLAGS, "-gencode", "arch=compute_80,code=sm_80",
-          "-gencode", "arch=compute_90,code=sm_90", "-c", "attention_cuda/paged_attention.cu",
-          "-o", str(tmp_path / "paged_attention.o")])
+def test_kernel_compiles_for_sm80_and_sm90(compiles):
+    compiled(compiles["kernel"])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-def test_binding_compiles_against_torch_headers():
-    from torch.utils.cpp_extension import include_paths
-    includes = [a for p in include_paths() for a in ("-isystem", p)]
-    _run([os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only",
-          f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", *includes, "attention_cuda/binding.cpp"])
+def test_binding_compiles_against_torch_headers(compiles):
+    compiled(compiles["binding"])
 
 
 # the kernel against the reference (GPU)

@@ -332,9 +332,10 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
     LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
     hf_tokenizer.save_pretrained(tmp_path)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "max_length": 9}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 50,
+                                                                   "max_length": 9}))
     llm = LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16)
-    assert llm.sampling_defaults == {"temperature": 0.0, "top_p": 0.9}
+    assert llm.sampling_defaults == {"temperature": 0.0, "top_p": 0.9}  # top_k 50 is transformers' default
     greedy = SamplingParams(temperature=0, max_tokens=16)
     assert llm.generate([1, 2, 3])[0].token_ids == llm.generate([1, 2, 3], greedy)[0].token_ids
     params = serve._sampling_params({"top_p": 0.5}, False, 3, llm, 0)

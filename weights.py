@@ -51,7 +51,8 @@ _HF_REPOS: dict[str, tuple[str, ...]] = {
     "llama3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct",),
 }
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # see sampling_defaults
+# See sampling_defaults; with transformers' defaults, which a file's values must differ from to count.
+SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 # GGUF names -> HF names: the top-level tensors, and the parts of layer N ("blk.N.<part>.weight").
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -281,15 +282,17 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
 
 
 def sampling_defaults(path: str | None) -> dict[str, float]:
-    """What a Hugging Face directory's generation_config.json sets of SAMPLING_KEYS: as in vLLM, the defaults
-    of requests that leave them out (Llama 3 Instruct's: temperature 0.6, top_p 0.9). {} for other checkpoints."""
+    """What a Hugging Face directory's generation_config.json sets of SAMPLING_KEYS, where it differs from
+    transformers' defaults: as in vLLM, the defaults of requests that leave them out (Llama 3 Instruct's:
+    temperature 0.6, top_p 0.9). {} for other checkpoints."""
     file = os.path.join(path, "generation_config.json") if path and os.path.isdir(path) else ""
     if not os.path.isfile(file):
         return {}
     try:
         with open(file) as f:
             config = json.load(f)
-        values = {k: config[k] for k in SAMPLING_KEYS if isinstance(config, dict) and config.get(k) is not None}
+        values = {k: v for k, default in SAMPLING_KEYS.items()
+                  if isinstance(config, dict) and (v := config.get(k)) is not None and v != default}
         SamplingParams(**values)
     except ValueError as e:  # not JSON, or out of range
         raise ValueError(f"{file}: {e}") from None
