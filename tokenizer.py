@@ -90,8 +90,10 @@ class Tokenizer:
                                       special_tokens=self._special_ranks)
         # HF drops a byte its vocabulary lacks (SmolLM has no token for some control characters) after
         # splitting text into words, then merges across the gap. Texts with such a character take a
-        # slower path that does the same; a missing non-ASCII byte (only in unassigned code points) is
-        # simply dropped.
+        # slower path that does the same. A missing non-ASCII byte (SmolLM's 0xF1 and 0xF2 lead only the
+        # unassigned planes 4-11) is dropped after merging, so the ids next to such a code point can differ
+        # from HF's; so can the slower path's word splits next to code points that the regex module's
+        # Unicode tables assign and HF's do not (found by fuzzing against transformers).
         absent = "".join(chr(b) for b in range(128) if rank_to_id[b] < 0)
         self._absent = re.compile(f"[{re.escape(absent)}]") if absent else None
         self._words = regex.compile(pattern)
