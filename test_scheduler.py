@@ -108,12 +108,12 @@ def finish_steps(engine, prompts, params) -> list[int]:
 
 
 def test_static_vs_continuous_mixed_workload(tiny):
-    # Scheduling order, not numerics: a tiny model keeps these 1,000-odd steps quick.
+    # Scheduling order, not numerics: a tiny model keeps these 200-odd steps quick.
     engines = {mode: LLM(model=tiny, dummy_weights=True, num_kv_blocks=512, max_num_batched_tokens=256,
                          scheduling=mode, max_num_seqs=8, device="cpu") for mode in ("continuous", "static")}
     prompts = make_prompts(engines["static"], 16, seed=5)
     params = ([SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 8
-              + [SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)] * 8)
+              + [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * 8)
     # Continuous, 8 sequences: every short request is done before any long one.
     order = finish_steps(engines["continuous"], prompts[:4] + prompts[8:12] + prompts[4:8] + prompts[12:],
                          params[:4] + params[8:12] + params[4:8] + params[12:])
