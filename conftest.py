@@ -40,6 +40,15 @@ def read_each_checkpoint_once():
         yield
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """torch's thread count is the process's: a test that sets it (bench.py's --torch-threads, an engine's
+    torch_threads) must not leave every later test on one thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer():
     """transformers' tokenizer of the default GGUF: the reference implementation."""
