@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU with gloo: 2, 3 and 4 processes give TP=1's greedy tokens (float32), under KV
-pressure too; HTTP streaming from a TP=2 server; a killed worker; torchrun's entry point; the errors."""
+"""Tensor parallelism on CPU with gloo: 2, 3 and 4 processes give TP=1's greedy tokens (float32), on SmolLM2's
+weights too and under KV pressure; HTTP streaming from a TP=2 server; a killed worker; torchrun's entry point;
+the errors."""
 import contextlib
 import http.client
 import json
@@ -69,10 +70,12 @@ def test_tp_gives_tp1_tokens_and_lanes_never_mix(preset, kv_heads, tp):
         llm.close()
 
 
-def test_tp3_gives_tp1_tokens_on_the_default_model():
+def test_tp3_gives_tp1_tokens_on_the_default_models_weights(smollm2_4_layers):
+    # SmolLM2's own weights (its first 4 layers): 9 query and 3 KV heads, 3 and 1 per rank, each rank
+    # reading its slices of the safetensors.
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
-    tp1 = run(prompts, num_kv_blocks=128)[0]
-    assert run(prompts, num_kv_blocks=128, tensor_parallel_size=3)[0] == tp1
+    tp1 = run(prompts, model=smollm2_4_layers, num_kv_blocks=128)[0]
+    assert run(prompts, model=smollm2_4_layers, num_kv_blocks=128, tensor_parallel_size=3)[0] == tp1
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
