@@ -33,8 +33,10 @@ def read_each_checkpoint_once():
         except ImportError:
             yield
             return
-        parse = functools.cache(lambda path, mtime_ns, reader=gguf.GGUFReader: reader(path))
-        patch.setattr(gguf, "GGUFReader", lambda path: parse(os.fspath(path), os.stat(path).st_mtime_ns))
+        parse = functools.cache(lambda path, mtime_ns, reader=weights.gguf_reader(): reader(path))
+        cached = lambda path: parse(os.fspath(path), os.stat(path).st_mtime_ns)  # noqa: E731
+        patch.setattr(gguf, "GGUFReader", cached)  # transformers' reader
+        patch.setattr(weights, "gguf_reader", lambda: cached)
         # transformers builds this name table once per tensor (a tenth of a second each).
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         yield

@@ -163,10 +163,27 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
 @functools.lru_cache(maxsize=1)
 def read_gguf(path: str) -> gguf.GGUFReader:
     """A GGUF file's parsed header, kept for the next reader of the same file: the weights and the tokenizer
-    both read it, and parsing the vocabulary arrays takes seconds. The engine drops it once both are loaded.
-    gguf is imported here, so that nothing else (random weights, safetensors) needs it installed."""
-    import gguf
-    return gguf.GGUFReader(path)
+    both read it. The engine drops it once both are loaded."""
+    return gguf_reader()(path)
+
+
+@functools.cache
+def gguf_reader() -> type:
+    """gguf's GGUFReader on a plain array view of the mapped file. Parsing slices the file once per item of
+    its arrays (the vocabulary's 49,152 tokens and 48,900 merges), and np.memmap's Python hooks on every
+    slice made that 2.9 s of a 4.3 s load; plain views take 0.7 s. gguf is imported here, so that nothing
+    else (random weights, safetensors) needs it installed."""
+    from gguf.gguf_reader import GGUFReader
+
+    class Reader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:  # GGUFReader.__init__ sets it
+            self._data = mapped.view(np.ndarray)  # still the mapped file's memory, kept open by the view
+    return Reader
 
 
 def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
