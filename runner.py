@@ -2,6 +2,7 @@
 into batch tensors, a forward pass and sampled tokens. CUDA graphs replay decode steps on a GPU."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -233,14 +234,20 @@ class ModelRunner:
 def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, rank: int = 0,
                address: str | None = None) -> None:
     """A tensor-parallel rank other than 0 (spawned by rank 0, or started by torchrun): load this rank's part,
-    then run each step rank 0 broadcasts until it says stop (None) or goes away."""
-    runner = ModelRunner(config, rank, address, model_config)
-    weights.read_gguf.cache_clear()  # the parsed header (vocabulary included) is the tokenizer's, on rank 0
+    then run each step rank 0 broadcasts until it says stop (None) or goes away. A failure ends the worker
+    with one line (rank 0 tells its users), or with none when rank 0 itself has gone."""
     try:
-        while (step := runner.tp.broadcast(None)) is not None:
-            runner.execute(*step)
-    finally:
-        runner.tp.close()
+        runner = ModelRunner(config, rank, address, model_config)
+        weights.read_gguf.cache_clear()  # the parsed header (vocabulary included) is the tokenizer's, on rank 0
+        try:
+            while (step := runner.tp.broadcast(None)) is not None:
+                runner.execute(*step)
+        finally:
+            runner.tp.close()
+    except Exception as e:
+        if parallel.rank_0_gone():
+            os._exit(1)
+        sys.exit(f"laneserve: tensor-parallel worker: {type(e).__name__}: {e}")
 
 
 def kv_cache_bytes(total: int, free: int, peak: int, utilization: float) -> int:

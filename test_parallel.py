@@ -174,6 +174,31 @@ def test_ctrl_c_stops_every_rank(launcher):
             os.killpg(p.pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("wait", [0.0, 2.0])  # after the workers start: while they import, or join and load
+def test_stopped_while_loading_leaves_no_worker_and_no_traceback(wait):
+    """SIGTERM while the spawned workers are still loading: rank 0 exits at once (torch cannot be stopped
+    mid-load), and its workers, which nothing can tell to stop any more, end themselves quietly."""
+    p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--tensor-parallel-size", "3", "--port", "0",
+                          "--num-kv-blocks", "64"], cwd=HERE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while sum("spawn_main" in cmd for cmd in _session_members(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(wait)
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while (left := _session_members(p.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left
+        err = p.stderr.read()  # the workers' stderr too: it ends once they have all exited
+        assert "laneserve: stopping" in err and "Traceback" not in err, err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
 def test_a_killed_rank_0_leaves_no_worker():
     """SIGKILL runs no exit handler on rank 0: its workers end because their pending broadcast fails."""
     script = ("import time, weights, test_parallel\n"
