@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import hmac
 import importlib.metadata
-import itertools
 import json
 import math
 import os
@@ -27,8 +26,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+import openai_api
+from openai_api import ApiError
 from config import EngineConfig, add_cli_args, from_cli_args
-from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
+from engine import Engine, RequestOutput, SamplingParams
 from events import StepEvents
 from parallel import WorkerFailure, launched_by_torchrun
 from runner import run_worker
@@ -37,24 +38,6 @@ from sequence import require
 # The live page at /: beside this file in a checkout, under <prefix>/share/laneserve once pip-installed.
 PAGES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html"),
          os.path.join(sys.prefix, "share", "laneserve", "page.html"))
-ROLES = ("system", "developer", "user", "assistant", "tool")
-# The request fields the server implements, with their JSON types (/openapi.json is built from these).
-# Any other field that is not null is refused with a 400 naming it: never silently ignored.
-SAMPLING_FIELDS = {
-    "model": "string", "n": "integer", "stream": "boolean", "stream_options": "object", "max_tokens": "integer",
-    "temperature": "number", "top_p": "number", "top_k": "integer", "min_p": "number", "seed": "integer",
-    "stop": ["string", "array"], "stop_token_ids": "array", "ignore_eos": "boolean", "min_tokens": "integer",
-    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
-    "logit_bias": "object", "skip_special_tokens": "boolean", "response_format": "object",
-    "user": "string"}  # user: the client's own end-user id, for its records; changes nothing here
-FIELDS = {
-    "/v1/chat/completions": {"messages": "array", "max_completion_tokens": "integer", "logprobs": "boolean",
-                             "top_logprobs": "integer", **SAMPLING_FIELDS},
-    "/v1/completions": {"prompt": ["string", "array"], "logprobs": "integer", "echo": "boolean", **SAMPLING_FIELDS},
-    "/tokenize": {"model": "string", "prompt": "string", "messages": "array", "add_special_tokens": "boolean",
-                  "add_generation_prompt": "boolean"},
-    "/detokenize": {"model": "string", "tokens": "array"}}
-REQUIRED = {"/v1/chat/completions": ["messages"], "/v1/completions": ["prompt"], "/detokenize": ["tokens"]}
 # Histogram bounds in seconds, vLLM's, so that dashboards and quantiles carry over; on a CPU a long prompt's
 # TTFT or a long reply takes minutes, which the upper ones keep out of +Inf.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -63,19 +46,6 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
-
-
-class ApiError(Exception):
-    """An error the client gets in OpenAI's envelope."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict:
-        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error")
-        return {"error": {"message": str(self), "type": "server_error" if self.status >= 500 else kind,
-                          "param": self.param, "code": self.code}}
 
 
 class ClientGone(Exception):
@@ -304,163 +274,6 @@ def _version() -> str:
         return "unknown"
 
 
-def _json_object(raw: bytes, route: str) -> dict:
-    """A POST body: a JSON object whose fields are all among FIELDS[route] (null counts as absent)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad JSON, invalid UTF-8, hostile nesting
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    if unknown := sorted(k for k, v in body.items() if v is not None and k not in FIELDS[route]):
-        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0], "unsupported_field")
-    return body
-
-
-def _get(body: dict, name: str, kind: type, default=None):
-    """body[name] checked against kind with JSON's types (a bool is no number; NaN and Infinity, which
-    Python's json accepts, are none either); null means default."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is float and type(value) is int:
-        value = float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or \
-            (kind is float and not math.isfinite(value)):
-        what = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
-                list: "an array"}
-        raise ApiError(400, f"'{name}' must be {what[kind]}", name)
-    return value
-
-
-def _is_ids(x) -> bool:
-    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
-
-
-def _chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty array", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "\n".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or an array of parts", "messages")
-        # Chat templates know "system"; "developer" is OpenAI's newer name for it.
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""})
-    try:
-        return engine.tokenizer.apply_chat_template(clean, add_generation_prompt)
-    except Exception as e:  # the checkpoint's template refuses the conversation (say, roles out of order)
-        raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from e
-
-
-def _completion_prompts(body: dict, engine: Engine) -> tuple[list[str | list[int]], list[list[int]]]:
-    """The prompts as sent (strings or token ids), and as token ids."""
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _is_ids(p) for p in prompts):
-        raise ApiError(400, "'prompt' must be a string, an array of strings, or token ids", "prompt")
-    tok, vocab = engine.tokenizer, engine.model_config.vocab_size
-    if any(not 0 <= t < vocab for p in prompts if not isinstance(p, str) for t in p):
-        raise ApiError(400, f"token ids must be in [0, {vocab})", "prompt")
-    try:
-        return prompts, [tok.encode(p, add_bos=tok.add_bos_token) if isinstance(p, str) else p for p in prompts]
-    except Exception as e:  # text tiktoken refuses, such as lone surrogates
-        raise ApiError(400, f"cannot tokenize the prompt: {e}", "prompt") from e
-
-
-def _sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: int) -> SamplingParams:
-    """Sequence i of the n for one prompt; a seeded request seeds sequence i with seed + i."""
-    max_tokens = _get(body, "max_completion_tokens", int) if chat else None
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int)
-    if max_tokens is None:  # OpenAI's defaults: all the room left for chat, 16 for completions
-        room = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
-        max_tokens = max(1, room - prompt_len) if chat else 16
-    # vLLM's messages, OpenAI's code: clients match them to shorten the request and retry.
-    limit, what = engine.max_model_len, "messages" if chat else "prompt"
-    if prompt_len >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
-                            f"{prompt_len} input tokens. Please reduce the length of the input {what}.", what,
-                       "context_length_exceeded")
-    if prompt_len + max_tokens > limit:
-        raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                            f"context length is {limit} tokens and your request has {prompt_len} input tokens "
-                            f"({max_tokens} > {limit} - {prompt_len}).", "max_tokens", "context_length_exceeded")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    # Bounded: the engine thread checks every stop string's prefixes after every token.
-    if not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and len(s) <= 256 for s in stop):
-        raise ApiError(400, "'stop' must be a string or an array of at most 16, each at most 256 characters", "stop")
-    if chat:
-        top, wanted = _get(body, "top_logprobs", int, 0), _get(body, "logprobs", bool, False)
-        if not 0 <= top <= 20 or top and not wanted:
-            raise ApiError(400, "'top_logprobs' must be in [0, 20], and above 0 needs 'logprobs': true",
-                           "top_logprobs")
-        logprobs = top if wanted else None
-    else:
-        logprobs = _get(body, "logprobs", int)
-    seed = _get(body, "seed", int)
-    bias, stop_ids = _get(body, "logit_bias", dict, {}), _get(body, "stop_token_ids", list, [])
-    if not all(k.isdecimal() and len(k) <= 10 and type(v) in (int, float) and math.isfinite(v)
-               for k, v in bias.items()):
-        raise ApiError(400, "'logit_bias' must map token ids to numbers", "logit_bias")
-    if not all(type(t) is int for t in stop_ids):
-        raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
-    d = engine.sampling_defaults  # the checkpoint's generation_config.json, as in vLLM
-    try:
-        return SamplingParams(
-            temperature=_get(body, "temperature", float, d.get("temperature", 1.0)),
-            top_p=_get(body, "top_p", float, d.get("top_p", 1.0)), top_k=_get(body, "top_k", int, d.get("top_k", 0)),
-            min_p=_get(body, "min_p", float, d.get("min_p", 0.0)), max_tokens=max_tokens,
-            seed=None if seed is None else (seed + i) % 2**64, ignore_eos=_get(body, "ignore_eos", bool, False),
-            stop=stop, presence_penalty=_get(body, "presence_penalty", float, 0.0),
-            frequency_penalty=_get(body, "frequency_penalty", float, 0.0), logprobs=logprobs,
-            stop_token_ids=stop_ids, min_tokens=_get(body, "min_tokens", int, 0),
-            repetition_penalty=_get(body, "repetition_penalty", float, d.get("repetition_penalty", 1.0)),
-            logit_bias=bias,
-            skip_special_tokens=_get(body, "skip_special_tokens", bool, True))
-    except ValueError as e:  # the messages read "<field> must be ..."
-        raise ApiError(400, str(e), str(e).split()[0]) from e
-
-
-def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) -> dict | None:
-    """OpenAI's two logprobs shapes: chat's per-token entries, completions' parallel arrays."""
-    if not lps:
-        return None
-    tok = engine.tokenizer
-    if chat:
-        def entry(token_id: int, logprob: float) -> dict:
-            raw = tok.decode_bytes([token_id])
-            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-        return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(*t) for t in x.top]}
-                            for x in lps]}
-    tokens = [tok.decode([x.token_id]) for x in lps]
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            # The sampled token's always, as OpenAI documents: up to logprobs + 1 entries.
-            "top_logprobs": [{text: x.logprob, **{tok.decode([t]): lp for t, lp in x.top}}
-                             for text, x in zip(tokens, lps)],
-            "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))}
-
-
-def _choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: list[TokenLogprob],
-            reason: str | None, offset: int = 0) -> dict:
-    if not chat:
-        choice = {"index": i, "text": text}
-    elif stream:
-        choice = {"index": i, "delta": {"content": text} if text else {}}
-    else:
-        choice = {"index": i, "message": {"role": "assistant", "content": text}}
-    return {**choice, "logprobs": _logprobs(engine, chat, lps, offset), "finish_reason": reason}
-
-
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, which the openai client uses; streams go chunked
     default_request_version = "HTTP/1.1"  # a request line without a version still gets a status line
@@ -527,7 +340,7 @@ class Handler(BaseHTTPRequestHandler):
             routes = {("GET", "/"): self._page, ("GET", "/v1/engine/steps"): self._steps,
                       ("GET", "/health"): self._health, ("GET", "/metrics"): self._metrics,
                       ("GET", "/version"): lambda: self._send(200, {"version": _version()}),
-                      ("GET", "/openapi.json"): lambda: self._send(200, _openapi()),
+                      ("GET", "/openapi.json"): lambda: self._send(200, openai_api.openapi(_version())),
                       ("POST", "/tokenize"): lambda: self._tokenize(body),
                       ("POST", "/detokenize"): lambda: self._detokenize(body), ("GET", "/v1/models"): self._models,
                       ("POST", "/v1/chat/completions"): lambda: self._generate(body, chat=True),
@@ -698,27 +511,23 @@ class Handler(BaseHTTPRequestHandler):
             lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} histogram", *hist.lines(f"vllm:{name}", label)]
         self._send(200, "\n".join(lines) + "\n", "text/plain; version=0.0.4; charset=utf-8")
 
-    def _check_model(self, body: dict) -> None:
-        """A request may name the model (one of its names) or not."""
-        if (model := _get(body, "model", str, self.app.model_names[0])) not in self.app.model_names:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-
     def _tokenize(self, raw: bytes) -> None:
         """vLLM's /tokenize: a completion's prompt or a chat's messages, as the engine would see them."""
-        engine, body = self._engine(), _json_object(raw, self.route)
-        self._check_model(body)
+        engine, body = self._engine(), openai_api.parse_body(raw, self.route)
+        openai_api.check_model(body, self.app.model_names)
         if "messages" in body:
-            ids = _chat_prompt(body, engine, _get(body, "add_generation_prompt", bool, True))
+            ids = openai_api.chat_prompt(body, engine, openai_api.get(body, "add_generation_prompt", bool, True))
         else:
             tok = engine.tokenizer
             if not isinstance(prompt := body.get("prompt"), str):
                 raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
-            ids = tok.encode(prompt, add_bos=_get(body, "add_special_tokens", bool, True) and tok.add_bos_token)
+            add_bos = openai_api.get(body, "add_special_tokens", bool, True) and tok.add_bos_token
+            ids = tok.encode(prompt, add_bos=add_bos)
         self._send(200, {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids})
 
     def _detokenize(self, raw: bytes) -> None:
-        engine, body = self._engine(), _json_object(raw, self.route)
-        self._check_model(body)
+        engine, body = self._engine(), openai_api.parse_body(raw, self.route)
+        openai_api.check_model(body, self.app.model_names)
         ids, vocab = body.get("tokens"), engine.model_config.vocab_size
         if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)):
             raise ApiError(400, f"'tokens' must be an array of token ids in [0, {vocab})", "tokens")
@@ -756,29 +565,13 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
     def _generate(self, raw: bytes, chat: bool) -> None:
-        engine, body = self._engine(), _json_object(raw, self.route)
-        if (kind := _get(body, "response_format", dict, {}).get("type", "text")) != "text":
-            raise ApiError(400, f"response_format {kind!r} is not supported, only 'text'", "response_format")
-        echo = _get(body, "echo", bool, False)
-        if echo and body.get("logprobs") is not None:
-            raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
-        self._check_model(body)
-        n = _get(body, "n", int, 1)
-        if not 1 <= n <= 128:
-            raise ApiError(400, "'n' must be in [1, 128]", "n")
-        _get(body, "user", str)  # the client's own end-user id: checked, then unused
-        stream = _get(body, "stream", bool, False)
-        options = _get(body, "stream_options", dict, {})
-        if body.get("stream_options") is not None and not stream:
-            raise ApiError(400, "'stream_options' is only for streamed requests ('stream': true)", "stream_options")
-        if unknown := sorted(set(options) - {"include_usage"}):
-            raise ApiError(400, f"stream_options: unsupported key(s) {', '.join(unknown)} (only include_usage)",
-                           "stream_options", "unsupported_field")
-        usage_chunk = _get(options, "include_usage", bool, False)
-        sent, prompts = ([None], [_chat_prompt(body, engine)]) if chat else _completion_prompts(body, engine)
+        engine, body = self._engine(), openai_api.parse_body(raw, self.route)
+        n, stream, echo, usage_chunk = openai_api.reply_options(body, self.app.model_names)
+        sent, prompts = (([None], [openai_api.chat_prompt(body, engine)]) if chat
+                         else openai_api.completion_prompts(body, engine))
         # echo gives back a text prompt as it came, token ids as their text
         echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in sent]
-        job = Submit([(uuid.uuid4().hex, ids, _sampling_params(body, chat, len(ids), engine, i))
+        job = Submit([(uuid.uuid4().hex, ids, openai_api.sampling_params(body, chat, len(ids), engine, i))
                       for ids in prompts for i in range(n)], queue.Queue())
         index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}
         outputs: list[list[RequestOutput]] = [[] for _ in index]
@@ -809,9 +602,9 @@ class Handler(BaseHTTPRequestHandler):
                     self._event(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
                 if stream and echo and not before:
-                    self._event(chunk([_choice(engine, chat, True, i, echoed[i // n], [], None)]))
+                    self._event(chunk([openai_api.choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
-                    choice = _choice(engine, chat, True, i, out.delta, lps, out.finish_reason, offsets[i])
+                    choice = openai_api.choice(engine, chat, True, i, out.delta, lps, out.finish_reason, offsets[i])
                     self._event(chunk([choice]))
                     if not chat and lps:  # the tokens' own texts, as the whole reply counts them, not the
                         offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))  # text let out (stop strings)
@@ -825,7 +618,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._event({**head, "choices": [], "usage": usage})
             elif not stream:
                 self._send(200, {**head, "usage": usage, "choices": [
-                    _choice(engine, chat, False, i, echoed[i // n] + o[-1].text,
+                    openai_api.choice(engine, chat, False, i, echoed[i // n] + o[-1].text,
                             [x.logprob for x in o if x.logprob is not None], o[-1].finish_reason)
                     for i, o in enumerate(outputs)]})
         except ApiError as e:
@@ -838,20 +631,6 @@ class Handler(BaseHTTPRequestHandler):
         if streaming:
             self._event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
-
-
-def _openapi() -> dict:
-    """An OpenAPI description of the routes and of the request fields the server takes (FIELDS)."""
-    ok = {"200": {"description": "OK"}, "400": {"description": "Bad request, OpenAI's error JSON"}}
-
-    def post(path: str) -> dict:
-        schema = {"type": "object", "required": REQUIRED.get(path, []),
-                  "properties": {k: {"type": t} for k, t in FIELDS[path].items()}}
-        return {"post": {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-                         "responses": ok}}
-    return {"openapi": "3.1.0", "info": {"title": "laneserve", "version": _version()},
-            "paths": {**{path: post(path) for path in FIELDS},
-                      **{path: {"get": {"responses": ok}} for path in ("/health", "/metrics", "/version", "/v1/models")}}}
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -1,10 +1,10 @@
 """The core engine against Hugging Face transformers on the same GGUF, plus the rules that keep sequences apart:
 independence, the continuous-batching trace, and KV blocks returned after every generation."""
-import os
 
 import pytest
 import torch
 
+import openai_api
 import weights
 from config import EngineConfig
 from engine import LLM, SamplingParams
@@ -327,7 +327,6 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
     vLLM: here greedy, which random weights' near-flat logits would otherwise almost never give."""
     import json
     from transformers import LlamaConfig, LlamaForCausalLM
-    import serve
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
@@ -338,7 +337,7 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
     assert llm.sampling_defaults == {"temperature": 0.0, "top_p": 0.9}  # top_k 50 is transformers' default
     greedy = SamplingParams(temperature=0, max_tokens=16)
     assert llm.generate([1, 2, 3])[0].token_ids == llm.generate([1, 2, 3], greedy)[0].token_ids
-    params = serve._sampling_params({"top_p": 0.5}, False, 3, llm, 0)
+    params = openai_api.sampling_params({"top_p": 0.5}, False, 3, llm, 0)
     assert (params.temperature, params.top_p) == (0.0, 0.5)
     assert LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16, generation_config="vllm").sampling_defaults == {}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
