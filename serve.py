@@ -364,10 +364,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         coding = self.headers.get("Transfer-Encoding")
-        if coding is not None and coding.strip().lower() == "chunked" and "Content-Length" not in self.headers:
-            return self._read_chunks()
+        chunked = coding is not None and coding.strip().lower() == "chunked" and "Content-Length" not in self.headers
         length = int(n) if (n := self.headers.get("Content-Length", "")).isdecimal() else -1
-        if not 0 <= length <= self.app.max_body or coding is not None:
+        if not chunked and (not 0 <= length <= self.app.max_body or coding is not None):
             self.close_connection = True  # the unread body would be taken for the next request
             if coding is not None:  # another coding, or both headers (a request-smuggling pattern)
                 raise ApiError(501 if "Content-Length" not in self.headers else 400,
@@ -380,7 +379,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(413, f"the request body is over {self.app.max_body} bytes")
             raise ApiError(411, "a request body needs a valid Content-Length")
         try:
-            body = self.rfile.read(length)
+            body = self._read_chunks() if chunked else self.rfile.read(length)
         except TimeoutError:
             self.close_connection = True
             raise ApiError(408, f"timed out after {self.app.timeout:g}s reading the request body") from None
@@ -394,21 +393,17 @@ class Handler(BaseHTTPRequestHandler):
         chunk of size 0 and an empty line (after any trailer lines) end it. Clients that stream an upload
         send this instead of a Content-Length."""
         body = b""
-        try:
-            while size := self._chunk_size():
-                if len(body) + size > self.app.max_body:
-                    self.close_connection = True
-                    raise ApiError(413, f"the request body is over {self.app.max_body} bytes")
-                data = self.rfile.read(size + 2)
-                if data[size:] != b"\r\n":
-                    self.close_connection = True
-                    raise ApiError(400, "a chunk of the request body is cut short or not followed by CRLF")
-                body += data[:size]
-            while self.rfile.readline(8192).strip():  # trailer fields: read past, unused
-                pass
-        except TimeoutError:
-            self.close_connection = True
-            raise ApiError(408, f"timed out after {self.app.timeout:g}s reading the request body") from None
+        while size := self._chunk_size():
+            if len(body) + size > self.app.max_body:
+                self.close_connection = True
+                raise ApiError(413, f"the request body is over {self.app.max_body} bytes")
+            data = self.rfile.read(size + 2)
+            if data[size:] != b"\r\n":
+                self.close_connection = True
+                raise ApiError(400, "a chunk of the request body is cut short or not followed by CRLF")
+            body += data[:size]
+        while self.rfile.readline(8192).strip():  # trailer fields: read past, unused
+            pass
         return body
 
     def _chunk_size(self) -> int:
@@ -541,12 +536,8 @@ class Handler(BaseHTTPRequestHandler):
             if time.monotonic() > deadline:
                 raise ApiError(408, f"the request took longer than --request-timeout {self.app.request_timeout:g}s")
             if time.monotonic() - self.checked > 0.1:
-                try:
-                    sock = self.connection
-                    gone = select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK)
-                except OSError:
-                    gone = True
-                if gone:
+                sock = self.connection  # an OSError here means it left too: do_GET takes both alike
+                if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
                     raise ClientGone
                 self.checked = time.monotonic()
             try:
