@@ -119,7 +119,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None and seq.status is not Status.FINISHED:
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq)
         self.held = [o for o in self.held if o.request_id != request_id]  # static mode: finished, not yet out
 
     @property
@@ -191,15 +191,15 @@ class Engine:
             if not seq.detokenizer.stopped:  # release text held back as a possible stop-string start
                 delta += seq.detokenizer.flush()
                 reason = "stop" if seq.detokenizer.stopped else reason  # the last character completed one
-            self._finish(seq, reason)
+            self._finish(seq)
         return self._output(seq, delta, reason, logprob)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
-        self._finish(seq, "error")
+        self._finish(seq)
         return self._output(seq, "", "error", None, error)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
         del self.requests[seq.request_id]
 
     def _output(self, seq: Sequence, delta: str, reason: str | None, logprob: TokenLogprob | None,

@@ -268,7 +268,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> chosen, top ids, top values
     errors: list[str | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
-        p, processed = seq.params, _processes(seq)
+        p = seq.params
+        processed = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
+                         or seq.num_tokens - seq.num_prompt_tokens < p.min_tokens)
         if not (p.temperature or p.logprobs is not None or processed):
             continue
         try:
@@ -298,12 +300,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         out[i], at = TokenLogprob(ids[i], flat[at], top), at + 1 + 2 * k
     errors = [e or ("the model's logits are NaN" if flat[n + i] else None) for i, e in enumerate(errors)]
     return ids, out, errors
-
-
-def _processes(seq: Sequence) -> bool:
-    p = seq.params
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
-                or seq.num_tokens - seq.num_prompt_tokens < p.min_tokens)
 
 
 def _process(logit: torch.Tensor, seq: Sequence) -> torch.Tensor:

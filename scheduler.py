@@ -160,11 +160,10 @@ class Scheduler:
         # Earlier-arrived sequences are preempted later, so they end up in front: arrival order holds.
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence) -> None:
         """Retire a sequence (finished or aborted): its slot and KV blocks are free at once."""
         {Status.RUNNING: self.running, Status.WAITING: self.waiting,
          Status.SWAPPED: self.swapped}.get(seq.status, []).remove(seq)
         self.blocks.free(seq.block_table)
         self.swap_space.free(seq.swap_table)
         seq.status = Status.FINISHED
-        seq.finish_reason = reason

@@ -95,7 +95,6 @@ class Sequence:
     swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     status: Status = Status.WAITING
-    finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: its own stop_token_ids, and EOS unless ignored
     arrival_time: float = field(default_factory=time.monotonic)

@@ -140,16 +140,13 @@ class Tokenizer:
         tok.chat_template = template
         return tok
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
         tokens = {k: self.decode([i]) for k, i in names.items() if i is not None}
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
-        return self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **tokens)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # transformers tokenizes the rendered chat without adding BOS: templates that want one write it.
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self._template.render(messages=messages, tools=None, documents=None,
+                                                 add_generation_prompt=add_generation_prompt, **tokens))
 
 
 def _raise_template_error(message: str) -> None:

@@ -220,8 +220,12 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
     state = {}
     for t in tensors.values():
         name = _hf_name(t.name)
-        # llama.cpp's converter permutes HF Q/K rows into the interleaved-pair RoPE layout (Meta's); undo it.
-        state[name] = _rotate_half_layout(name, _gguf_tensor(t, dtype, tp_split(config, name, rank, size)), config)
+        w = _gguf_tensor(t, dtype, tp_split(config, name, rank, size))
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp's converter permutes HF Q/K rows into the interleaved-pair RoPE layout (Meta's); undo it:
+            # per head, pairs (x0, y0, x1, y1, ...) back to HF's halves (x0, x1, ..., y0, y1, ...).
+            w = w.reshape(-1, config.head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+        state[name] = w
     return config, state
 
 
@@ -330,13 +334,6 @@ def _hf_name(name: str) -> str:
     elif stem in _GGUF_TOP:
         return f"{_GGUF_TOP[stem]}.weight"
     raise ValueError(f"unexpected tensor {name!r}: not part of a Llama checkpoint")
-
-
-def _rotate_half_layout(name: str, w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """Q/K rows from interleaved RoPE pairs (x0, y0, x1, y1, ...) per head to HF's halves (x0, x1, ..., y0, y1, ...)."""
-    if not name.endswith(("q_proj.weight", "k_proj.weight")):
-        return w
-    return w.reshape(-1, config.head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
 def _f32(x: float) -> float:
