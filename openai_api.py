@@ -76,6 +76,7 @@ def _is_ids(x) -> bool:
 
 
 def chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True) -> list[int]:
+    """The conversation in messages, rendered by the chat template, as token ids."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
