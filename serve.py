@@ -1,4 +1,5 @@
-"""HTTP: an OpenAI-compatible server on the standard library, the engine stepping on its own thread.
+"""HTTP: an OpenAI-compatible server on the standard library, the engine stepping on its own thread. What
+the API's fields mean and how replies are shaped is openai_api.py's; this file carries them over HTTP.
 
 The engine is not thread-safe, so request threads never touch it: they parse, validate and tokenize,
 post commands to the engine thread's inbox and read results from their own queue. The engine thread
