@@ -75,8 +75,8 @@ class TensorParallel:
         address = self.address
         if self.rank > 0:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others to stop
-            if parent := mp.parent_process():  # spawned by rank 0 (torchrun ends its processes itself)
-                threading.Thread(target=_exit_with, args=(parent,), daemon=True, name="tp-parent").start()
+            if mp.parent_process():  # spawned by rank 0 (torchrun ends its processes itself)
+                threading.Thread(target=_exit_with_rank_0, daemon=True, name="tp-parent").start()
         if launched_by_torchrun():
             address = "env://"
         elif self.rank == 0:
@@ -178,19 +178,19 @@ class TensorParallel:
         return None
 
 
-def _exit_with(parent: mp.process.BaseProcess) -> None:
-    """A spawned worker's watch on rank 0, its parent. Rank 0 may go without a word (killed, or exiting in the
-    middle of loading, which torch cannot interrupt), and then nothing tells the worker to stop: it ends itself,
-    quietly, instead of waiting out STARTUP in a rendezvous or failing its next collective."""
-    parent.join()  # returns once the parent has exited, or at once if it already has
-    os._exit(1)
-
-
-def rank_0_gone() -> bool:
-    """In a spawned worker: whether rank 0 has exited, or does within a second (a collective failing is often
-    the first sign of its exit)."""
+def rank_0_gone(timeout: float | None = 1.0) -> bool:
+    """In a spawned worker: whether rank 0, its parent, has exited, waiting up to timeout for it (a collective
+    failing is often the first sign of its exit; None waits as long as it takes)."""
     parent = mp.parent_process()
     if parent is None:
         return False
-    parent.join(1.0)
+    parent.join(timeout)
     return not parent.is_alive()
+
+
+def _exit_with_rank_0() -> None:
+    """A spawned worker's watch on rank 0. Rank 0 may go without a word (killed, or exiting in the middle of
+    loading, which torch cannot interrupt), and then nothing tells the worker to stop: it ends itself, quietly,
+    instead of waiting out STARTUP in a rendezvous or failing its next collective."""
+    rank_0_gone(timeout=None)
+    os._exit(1)

@@ -200,7 +200,7 @@ def test_stopped_while_loading_leaves_no_worker_and_no_traceback(wait):
 
 
 def test_a_killed_rank_0_leaves_no_worker():
-    """SIGKILL runs no exit handler on rank 0: its workers end because their pending broadcast fails."""
+    """SIGKILL runs no exit handler on rank 0: its workers, which watch it, end by themselves."""
     script = ("import time, weights, test_parallel\n"
               "from engine import LLM\n"
               "weights.PRESETS['kv4'] = test_parallel.shapes(4)\n"
