@@ -199,6 +199,9 @@ class BucketedAttention:
         self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
         self.meta, self.token_calls, self.group_calls = meta, [], []
 
+        def mask(hidden: torch.Tensor) -> torch.Tensor:  # added to the scores: -inf where hidden, else 0
+            return torch.zeros(hidden.shape, dtype=k_cache.dtype).masked_fill_(hidden, float("-inf"))
+
         def blocks(seqs: torch.Tensor, b: int) -> torch.Tensor:  # their first b keys' blocks, block 0 past the end
             return F.pad(tables[seqs], (0, b // block_size))[:, :b // block_size]
 
@@ -215,7 +218,7 @@ class BucketedAttention:
             if len(r) == 1:  # run a lone row with the one before it, or twice
                 r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
             r = generated[r]
-            self.token_calls.append((r, blocks(seq[r], b), (torch.arange(b) > pos[r, None])[:, None]))
+            self.token_calls.append((r, blocks(seq[r], b), mask(torch.arange(b) > pos[r, None])[:, None]))
         rows = prompt.nonzero()[:, 0]
         # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query slots hold the row
         # at that position, or len(seq): the row of zeros __call__ appends.
@@ -227,7 +230,7 @@ class BucketedAttention:
         # key_bucket(first + GROUP) is the bucket of every position in the group
         for b, _, g in calls(key_bucket(first + GROUP, smallest), 1):
             run = g.repeat(2) if len(g) * kv_heads == 1 else g
-            hidden = torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None]
+            hidden = mask(torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None])
             index = slots[g].flatten()
             present = (index < len(seq)).nonzero()[:, 0]
             self.group_calls.append((slots[run].flatten(), blocks(ids[run] // span, b), hidden,
@@ -249,7 +252,7 @@ class BucketedAttention:
             q = (query.view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
             for rows, blocks, hidden in self.token_calls:
                 k, v = (gather_keys(c, blocks) for c in (k_cache, v_cache))
-                s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).masked_fill_(hidden, float("-inf"))
+                s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).add_(hidden)
                 o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
                 # Backwards: head h's result is the slice of its row that belongs to its KV head.
                 out.index_copy_(0, rows, o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
@@ -263,7 +266,7 @@ class BucketedAttention:
                 items, b = hidden.shape[0], hidden.shape[-1]
                 k, v = (by_kv_head(gather_keys(c, blocks), items, b) for c in (k_cache, v_cache))
                 s = torch.bmm(by_kv_head(q.index_select(0, index), items, GROUP), k.transpose(1, 2))
-                s.view(items, kv_heads, GROUP, group_heads, b).masked_fill_(hidden[:, None, :, None], float("-inf"))
+                s.view(items, kv_heads, GROUP, group_heads, b).add_(hidden[:, None, :, None])
                 o = torch.bmm(s.softmax(-1), v).view(items, kv_heads, GROUP, group_heads, dim).transpose(1, 2)
                 o = o.reshape(items * GROUP, kv_heads, group_heads, dim)
                 out.index_copy_(0, rows, o.index_select(0, present))
@@ -296,8 +299,10 @@ def gather_keys(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """attention_cuda.store_kv, values that are not finite stored as 0. BucketedAttention weighs the
-    slots of a bucket past a sequence's end (another sequence's, or left by a block's former owner) by
-    exactly 0, which is only 0 for a finite value: a sequence that went NaN must not reach the next
-    owner of its blocks."""
-    attention_cuda.store_kv(key, value.nan_to_num(0.0, 0.0, 0.0), k_cache, v_cache, slot_mapping)
+    """attention_cuda.store_kv, keys and values that are not finite stored as 0. BucketedAttention reads
+    slots past a sequence's end (another sequence's, or left by a block's former owner): it adds -inf to
+    their scores and so weighs their values by exactly 0, which needs a finite score and a finite value.
+    Keys come out of an RMSNorm and a projection, so the model's weights bound the finite ones; a
+    sequence that went NaN or inf must not reach the next owner of its blocks."""
+    finite = (x.nan_to_num(0.0, 0.0, 0.0) for x in (key, value))
+    attention_cuda.store_kv(*finite, k_cache, v_cache, slot_mapping)

@@ -149,15 +149,17 @@ def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len):
     # One 300-token sequence (9 query heads over 3 KV heads, blocks of 16), its tokens computed as one
     # prefill piece, as pieces cut at other points (mid-block too), and one by one as decodes, each time
     # beside other sequences of other lengths and kinds: every token's result is the same, bit for bit,
-    # whether its sequence's first prompt_len tokens are its prompt (grouped) or not. Huge values left in
-    # slots past the sequence's end (by a block's former owner) change nothing.
+    # whether its sequence's first prompt_len tokens are its prompt (grouped) or not. What a block's former
+    # owner can leave in the slots past the sequence's end changes nothing.
     length, heads, kv_heads, dim, bs = 300, 9, 3, 64, 16
     others = [(5, 1), (700, 1), (33, 1), (129, 3), (400, 20)]
     others_prompts = [0, 700, 0, 129, 390]
     query, k_cache, v_cache, tables, _, _ = make_batch(3, [(length, length)] + others, heads, kv_heads, dim, bs, dtype)
     q, table, rest = query[:length], tables[:1], query[length:]
-    k_cache[tables[0, length // bs], length % bs:] = float("nan")
-    v_cache[tables[0, length // bs], length % bs:] = 1e30
+    # the slots past its end, as a former owner of the block gone NaN and huge left them
+    slots = tables[0, length // bs] * bs + torch.arange(length % bs, bs)
+    junk = torch.tensor([float("nan"), float("inf"), 1e30, -1e30])[torch.arange(len(slots)) % 4, None, None]
+    cpu.store_finite_kv(*[junk.expand(len(slots), kv_heads, dim).to(dtype)] * 2, k_cache, v_cache, slots)
 
     def step(pieces):  # pieces of our sequence [(start, end)], then the others; one-token pieces first
         lanes = [(end, end - start) for start, end in pieces] + others
@@ -178,12 +180,12 @@ def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len):
     torch.testing.assert_close(decodes, whole, rtol=0, atol=0)
 
 
-def test_cpu_store_kv_keeps_values_finite():
-    # A sequence gone NaN leaves no NaN or inf value behind for the next owner of its blocks (see above).
+def test_cpu_store_kv_keeps_keys_and_values_finite():
+    # A sequence gone NaN leaves no NaN or inf behind for the next owner of its blocks (see above).
     k_cache, v_cache = torch.zeros(2, 1, 4, 3, 2)
-    key, value = torch.ones(4, 3, 2), torch.tensor([float("nan"), float("inf"), -float("inf"), 2.0])[:, None, None].expand(4, 3, 2)
-    cpu.store_finite_kv(key, value, k_cache, v_cache, torch.arange(4))
-    assert torch.equal(k_cache[0], key) and torch.equal(v_cache[0], value.nan_to_num(0.0, 0.0, 0.0))
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf"), 2.0])[:, None, None].expand(4, 3, 2)
+    cpu.store_finite_kv(bad, -bad, k_cache, v_cache, torch.arange(4))
+    assert torch.equal(k_cache[0], bad.nan_to_num(0.0, 0.0, 0.0)) and torch.equal(v_cache[0], -k_cache[0])
 
 
 def test_store_kv_exact_and_skips_padding():
