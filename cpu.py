@@ -199,7 +199,7 @@ class BucketedAttention:
         self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
         self.meta, self.token_calls, self.group_calls = meta, [], []
 
-        def mask(hidden: torch.Tensor) -> torch.Tensor:  # added to the scores: -inf where hidden, else 0
+        def score_mask(hidden: torch.Tensor) -> torch.Tensor:  # added to the scores: -inf where hidden, else 0
             return torch.zeros(hidden.shape, dtype=k_cache.dtype).masked_fill_(hidden, float("-inf"))
 
         def blocks(seqs: torch.Tensor, b: int) -> torch.Tensor:  # their first b keys' blocks, block 0 past the end
@@ -218,7 +218,7 @@ class BucketedAttention:
             if len(r) == 1:  # run a lone row with the one before it, or twice
                 r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
             r = generated[r]
-            self.token_calls.append((r, blocks(seq[r], b), mask(torch.arange(b) > pos[r, None])[:, None]))
+            self.token_calls.append((r, blocks(seq[r], b), score_mask(torch.arange(b) > pos[r, None])[:, None]))
         rows = prompt.nonzero()[:, 0]
         # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query slots hold the row
         # at that position, or len(seq): the row of zeros __call__ appends.
@@ -230,10 +230,10 @@ class BucketedAttention:
         # key_bucket(first + GROUP) is the bucket of every position in the group
         for b, _, g in calls(key_bucket(first + GROUP, smallest), 1):
             run = g.repeat(2) if len(g) * kv_heads == 1 else g
-            hidden = mask(torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None])
+            mask = score_mask(torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None])
             index = slots[g].flatten()
             present = (index < len(seq)).nonzero()[:, 0]
-            self.group_calls.append((slots[run].flatten(), blocks(ids[run] // span, b), hidden,
+            self.group_calls.append((slots[run].flatten(), blocks(ids[run] // span, b), mask,
                                      index[present], present))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
@@ -250,9 +250,9 @@ class BucketedAttention:
             # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
             # identity, exact), so one matmul with the keys as gathered gives every head its scores.
             q = (query.view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
-            for rows, blocks, hidden in self.token_calls:
+            for rows, blocks, mask in self.token_calls:
                 k, v = (gather_keys(c, blocks) for c in (k_cache, v_cache))
-                s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).add_(hidden)
+                s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).add_(mask)
                 o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
                 # Backwards: head h's result is the slice of its row that belongs to its KV head.
                 out.index_copy_(0, rows, o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
@@ -262,11 +262,11 @@ class BucketedAttention:
                 return x.view(items, length, kv_heads, -1).transpose(1, 2).reshape(items * kv_heads, -1, dim)
 
             q = torch.cat((query, query.new_zeros(1, heads, dim)))
-            for index, blocks, hidden, rows, present in self.group_calls:
-                items, b = hidden.shape[0], hidden.shape[-1]
+            for index, blocks, mask, rows, present in self.group_calls:
+                items, b = mask.shape[0], mask.shape[-1]
                 k, v = (by_kv_head(gather_keys(c, blocks), items, b) for c in (k_cache, v_cache))
                 s = torch.bmm(by_kv_head(q.index_select(0, index), items, GROUP), k.transpose(1, 2))
-                s.view(items, kv_heads, GROUP, group_heads, b).add_(hidden[:, None, :, None])
+                s.view(items, kv_heads, GROUP, group_heads, b).add_(mask[:, None, :, None])
                 o = torch.bmm(s.softmax(-1), v).view(items, kv_heads, GROUP, group_heads, dim).transpose(1, 2)
                 o = o.reshape(items * GROUP, kv_heads, group_heads, dim)
                 out.index_copy_(0, rows, o.index_select(0, present))
