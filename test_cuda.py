@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 def same_weights_everywhere(monkeypatch):
     # Random weights drawn on the CPU whatever the device, so that both engines get the same numbers.
     draw = weights.dummy_weights
-    monkeypatch.setattr(weights, "dummy_weights", lambda config, dtype, seed, device: draw(config, dtype, seed, "cpu"))
+    monkeypatch.setattr(weights, "dummy_weights",
+                        lambda config, dtype, seed, device, *shard: draw(config, dtype, seed, "cpu", *shard))
     monkeypatch.setitem(weights.PRESETS, "head-dim-128", HEAD_DIM_128)
 
 

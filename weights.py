@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +20,9 @@ from safetensors import safe_open
 from config import DEFAULT_MODEL
 from model import ModelConfig, rope_inv_freq, tp_check, tp_split
 from sequence import SamplingParams
+
+if TYPE_CHECKING:  # imported where it is used: --dummy-weights runs without it
+    import gguf
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
