@@ -1,5 +1,7 @@
-"""The model runner's contract, on CPU with random weights: which rows are sampled, how often the host waits
-on the device, which steps the KV sizing profiles, and that random weights need no file at all."""
+"""The model runner's contract, on CPU with random weights: which rows are sampled, CUDA graphs on a stand-in
+capture, how often the host waits on the device, which steps the KV sizing profiles, and that random weights
+need no file at all."""
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -8,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import cpu
 from engine import LLM
 import runner
 from runner import _draw, kv_cache_bytes
@@ -17,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def engine(model: str, **kwargs) -> LLM:
-    return LLM(model=model, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=64, **kwargs)
+    return LLM(model=model, dummy_weights=True, device="cpu", dtype="float32", **{"num_kv_blocks": 64, **kwargs})
 
 
 def running(llm: LLM, request_id: str, num_tokens: int, num_computed: int) -> Sequence:
@@ -48,6 +51,60 @@ def test_graph_replay_samples_the_right_rows(tiny):
     replayed = r.run(scheduled)
     assert [s.request_id for s, _, _, _ in replayed] == ["a", "c"]
     assert [(s, t, lp.logprob) for s, t, lp, _ in replayed] == [(s, t, lp.logprob) for s, t, lp, _ in eager]
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(preemption_mode="swap", num_kv_blocks=12)], ids=["decode", "swapping"])
+def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
+    # DecodeGraphs itself on CPU: its ladder of sizes, static buffers and padding rows. A stand-in graph keeps
+    # the model call it captured and reruns it on the same static tensors at replay, writing into the
+    # captured output, as a CUDA graph does. The model keeps the reference attention, as on a GPU
+    # (cpu.optimize's attention needs host lengths, which a captured step does not have).
+    class Graph:
+        def replay(self):
+            self.logits.copy_(self.call())
+
+    capturing = []
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        capturing.append(graph)
+        yield
+        capturing.pop()
+
+    for name, value in [("CUDAGraph", Graph), ("graph", capture), ("graph_pool_handle", lambda: None),
+                        ("synchronize", lambda device=None: None)]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(cpu, "optimize", lambda *args: None)
+    replayed = []  # batch sizes
+
+    def checked_run(graphs, ids, pos, meta, _run=runner.DecodeGraphs.run):
+        logits = _run(graphs, ids, pos, meta)
+        # The rows past the batch, up to the graph's size, read nothing (context 0) and write nothing (slot -1).
+        n, size = len(ids), next(s for s in graphs.sizes if s >= len(ids))
+        assert graphs.meta.slot_mapping[n:size].eq(-1).all() and graphs.meta.context_lens[n:size].eq(0).all()
+        replayed.append(n)
+        return logits
+    monkeypatch.setattr(runner.DecodeGraphs, "run", checked_run)
+
+    def generate(graphs: bool) -> list[list[int]]:
+        llm = engine(tiny, max_num_batched_tokens=32, max_num_seqs=5, **knobs)
+        if graphs:
+            forward = llm.runner.model.forward
+
+            def recording(*args):
+                logits = forward(*args)
+                if capturing:
+                    capturing[-1].call, capturing[-1].logits = (lambda: forward(*args)), logits
+                return logits
+            llm.runner.model.forward = recording
+            llm.runner.graphs = runner.DecodeGraphs(llm.runner)
+            assert llm.runner.graphs.sizes == [1, 2, 4, 5]
+        prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + 11 * i)] for i in range(9)]  # 3 to 91 tokens
+        return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                                           ignore_eos=True))]
+    assert generate(graphs=True) == generate(graphs=False)
+    assert {1, 2, 4, 5} <= set(replayed)  # every graph
+    assert 3 in replayed or knobs  # and, plain decoding, a step with a padding row
 
 
 def test_one_host_sync_per_step(tiny, monkeypatch):
