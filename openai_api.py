@@ -123,6 +123,8 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
     if max_tokens is None:  # OpenAI's defaults: all the room left for chat, 16 for completions
         room = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
         max_tokens = max(1, room - prompt_len) if chat else 16
+    d = engine.sampling_defaults  # the checkpoint's generation_config.json, as in vLLM: its max_new_tokens caps
+    max_tokens = min(max_tokens, d.get("max_tokens", max_tokens))
     # vLLM's messages, OpenAI's code: clients match them to shorten the request and retry.
     limit, what = engine.max_model_len, "messages" if chat else "prompt"
     if prompt_len >= limit:
@@ -153,7 +155,6 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
         raise ApiError(400, "'logit_bias' must map token ids to numbers", "logit_bias")
     if not all(type(t) is int for t in stop_ids):
         raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
-    d = engine.sampling_defaults  # the checkpoint's generation_config.json, as in vLLM
     try:
         return SamplingParams(
             temperature=get(body, "temperature", float, d.get("temperature", 1.0)),

@@ -332,13 +332,17 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
     hf_tokenizer.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 50,
-                                                                   "max_length": 9}))
+                                                                   "max_length": 9, "max_new_tokens": 5}))
     llm = LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16)
-    assert llm.sampling_defaults == {"temperature": 0.0, "top_p": 0.9}  # top_k 50 is transformers' default
-    greedy = SamplingParams(temperature=0, max_tokens=16)
+    # top_k 50 is transformers' default; max_new_tokens becomes max_tokens
+    assert llm.sampling_defaults == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 5}
+    greedy = SamplingParams(temperature=0, max_tokens=5)
     assert llm.generate([1, 2, 3])[0].token_ids == llm.generate([1, 2, 3], greedy)[0].token_ids
     params = openai_api.sampling_params({"top_p": 0.5}, False, 3, llm, 0)
-    assert (params.temperature, params.top_p) == (0.0, 0.5)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.0, 0.5, 5)
+    # The server caps what a request asks for at max_new_tokens, as vLLM; below it, the request's own.
+    assert [openai_api.sampling_params({"max_tokens": n}, False, 3, llm, 0).max_tokens for n in (2, 9)] == [2, 5]
+    assert openai_api.sampling_params({}, True, 3, llm, 0).max_tokens == 5
     assert LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16, generation_config="vllm").sampling_defaults == {}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
     with pytest.raises(ValueError, match="generation_config.json: temperature must be in"):

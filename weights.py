@@ -56,7 +56,8 @@ _HF_REPOS: dict[str, tuple[str, ...]] = {
 }
 
 # See sampling_defaults; with transformers' defaults, which a file's values must differ from to count.
-SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                 "max_new_tokens": None}
 
 # GGUF names -> HF names: the top-level tensors, and the parts of layer N ("blk.N.<part>.weight").
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -309,7 +310,7 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
 def sampling_defaults(path: str | None) -> dict[str, float]:
     """What a Hugging Face directory's generation_config.json sets of SAMPLING_KEYS, where it differs from
     transformers' defaults: as in vLLM, the defaults of requests that leave them out (Llama 3 Instruct's:
-    temperature 0.6, top_p 0.9). {} for other checkpoints."""
+    temperature 0.6, top_p 0.9), max_new_tokens as max_tokens (the server's cap). {} for other checkpoints."""
     file = os.path.join(path, "generation_config.json") if path and os.path.isdir(path) else ""
     if not os.path.isfile(file):
         return {}
@@ -318,6 +319,8 @@ def sampling_defaults(path: str | None) -> dict[str, float]:
             config = json.load(f)
         values = {k: v for k, default in SAMPLING_KEYS.items()
                   if isinstance(config, dict) and (v := config.get(k)) is not None and v != default}
+        if "max_new_tokens" in values:
+            values["max_tokens"] = values.pop("max_new_tokens")
         SamplingParams(**values)
     except ValueError as e:  # not JSON, or out of range
         raise ValueError(f"{file}: {e}") from None
