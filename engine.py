@@ -31,6 +31,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_time: float | None = None  # seconds it waited for its first step
     error: str | None = None  # why this request alone failed (its sampling or detokenizing raised)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token (not EOS) that ended it
 
 
 @dataclass
@@ -173,9 +174,9 @@ class Engine:
         self.num_generation_tokens += 1
         p = seq.params
         delta = ""
-        reason = None
+        reason = stop_reason = None
         if token in seq.stop_ids:
-            reason = "stop"
+            reason, stop_reason = "stop", None if token == self.tokenizer.eos_id else token
         else:  # an ignored EOS too: its text goes out unless skip_special_tokens (the default) drops it
             try:
                 # As in vLLM, stop strings count from min_tokens on, like stop tokens.
@@ -192,7 +193,9 @@ class Engine:
                 delta += seq.detokenizer.flush()
                 reason = "stop" if seq.detokenizer.stopped else reason  # the last character completed one
             self._finish(seq)
-        return self._output(seq, delta, reason, logprob)
+        if stop_reason is None:
+            stop_reason = seq.detokenizer.stopped
+        return self._output(seq, delta, reason, logprob, stop_reason=stop_reason)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self._finish(seq)
@@ -203,10 +206,10 @@ class Engine:
         del self.requests[seq.request_id]
 
     def _output(self, seq: Sequence, delta: str, reason: str | None, logprob: TokenLogprob | None,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, stop_reason: int | str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
                              seq.detokenizer.text, delta, reason is not None, reason, logprob,
-                             seq.num_cached_tokens, seq.queue_time, error)
+                             seq.num_cached_tokens, seq.queue_time, error, stop_reason)
 
 
 class LLM(Engine):

@@ -7,7 +7,7 @@ import itertools
 import json
 import math
 
-from engine import Engine, SamplingParams, TokenLogprob
+from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The request fields the server implements, with their JSON types (/openapi.json is built from these).
@@ -191,14 +191,16 @@ def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) 
 
 
 def choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: list[TokenLogprob],
-            reason: str | None, offset: int = 0) -> dict:
+           last: RequestOutput | None, offset: int = 0) -> dict:
+    """One choice of a reply or of a stream's chunk; `last` is the output that finished it, if one did."""
     if not chat:
         choice = {"index": i, "text": text}
     elif stream:
         choice = {"index": i, "delta": {"content": text} if text else {}}
     else:
         choice = {"index": i, "message": {"role": "assistant", "content": text}}
-    return {**choice, "logprobs": _logprobs(engine, chat, lps, offset), "finish_reason": reason}
+    return {**choice, "logprobs": _logprobs(engine, chat, lps, offset),
+            "finish_reason": last and last.finish_reason, "stop_reason": last and last.stop_reason}
 
 
 def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:

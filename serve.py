@@ -596,7 +596,7 @@ class Handler(BaseHTTPRequestHandler):
                 if stream and echo and not before:
                     self._event(chunk([openai_api.choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
-                    choice = openai_api.choice(engine, chat, True, i, out.delta, lps, out.finish_reason, offsets[i])
+                    choice = openai_api.choice(engine, chat, True, i, out.delta, lps, out, offsets[i])
                     self._event(chunk([choice]))
                     if not chat and lps:  # the tokens' own texts, as the whole reply counts them, not the
                         offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))  # text let out (stop strings)
@@ -611,7 +611,7 @@ class Handler(BaseHTTPRequestHandler):
             elif not stream:
                 self._send(200, {**head, "usage": usage, "choices": [
                     openai_api.choice(engine, chat, False, i, echoed[i // n] + o[-1].text,
-                            [x.logprob for x in o if x.logprob is not None], o[-1].finish_reason)
+                            [x.logprob for x in o if x.logprob is not None], o[-1])
                     for i, o in enumerate(outputs)]})
         except ApiError as e:
             if not streaming:

@@ -297,9 +297,11 @@ def test_min_tokens_logit_bias_and_special_tokens(tiny):
     # EOS made the likeliest token: banned for the first 3 tokens, then it ends the request.
     out = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={eos: 100}))[0]
     assert len(out.token_ids) == 4 and eos not in out.token_ids[:3] and out.finish_reason == "stop"
+    assert out.stop_reason is None  # EOS, as vLLM: a stop token or string the request named is its stop_reason
     out = llm.generate([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=10, min_tokens=5, seed=1,
                                                  stop_token_ids=[start], logit_bias={start: 100}))[0]
     assert out.token_ids[5] == start and start not in out.token_ids[:5] and out.finish_reason == "stop"
+    assert out.stop_reason == start
     with pytest.raises(ValueError, match="logit_bias"):
         llm.add_request([1], SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="min_tokens"):

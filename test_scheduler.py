@@ -203,7 +203,8 @@ def test_stop_strings_count_from_min_tokens_on(tiny):
     a = SamplingParams(temperature=0, max_tokens=5, logit_bias={ord("a"): 100}, ignore_eos=True, stop=["a"])
     for min_tokens, text in [(0, ""), (1, ""), (2, "a"), (5, "aaaa")]:
         out = llm.generate([[ord("x")]], replace(a, min_tokens=min_tokens))[0]
-        assert (out.text, out.finish_reason, len(out.token_ids)) == (text, "stop", max(min_tokens, 1))
+        assert (out.text, out.finish_reason, out.stop_reason, len(out.token_ids)) == (text, "stop", "a",
+                                                                                       max(min_tokens, 1))
 
 
 def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):

@@ -212,10 +212,14 @@ def test_stop_strings(client):
     head = full[:full.index(stop)]
     r = client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
                                   temperature=0, stop=[stop, "never appears"])
-    assert r.choices[0].text == head and r.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
-                                         temperature=0, stop=stop, stream=True)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].stop_reason) == (head, "stop", stop)
+    streamed = list(client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
+                                              temperature=0, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == head
+    assert [c.choices[0].stop_reason for c in streamed] == [None] * (len(streamed) - 1) + [stop]
+    # vLLM's stop_reason: the stop string or stop token id that ended a reply; None for EOS or the length.
+    assert client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=2,
+                                     temperature=0).choices[0].stop_reason is None
 
 
 def test_penalties_and_sampling_knobs(client):

@@ -202,13 +202,13 @@ def test_detokenizer_stop_string_across_tokens(tok):
     ids = tok.encode("The answer is 42. The end.")
     assert all("answer is" not in tok.decode([i]) for i in ids)
     detok, pieces = stream(tok, ids, stop=["nothing", "answer is"])
-    assert detok.stopped and detok.text == "".join(pieces) == "The "
+    assert detok.stopped == "answer is" and detok.text == "".join(pieces) == "The "
     assert detok.feed(ids[0]) == "" and detok.flush() == ""
 
 
 def test_detokenizer_stop_inside_token(tok):
     detok, pieces = stream(tok, tok.encode("Hello world, again"), stop=["orl"])
-    assert detok.stopped and detok.text == "Hello w"
+    assert detok.stopped == "orl" and detok.text == "Hello w"
 
 
 @pytest.mark.parametrize("text, stop, released, held", [
@@ -225,8 +225,8 @@ def test_detokenizer_holds_possible_stop_prefix_until_flush(tok, text, stop, rel
 def test_detokenizer_flush_stops_at_a_stop_string_too():
     # A reply ending inside a character ends with U+FFFD; a stop string that it completes is not let out.
     tok = byte_tokenizer(512)
-    for stop, streamed, flushed, stopped in [("\ufffd", "a", "", True), ("a\ufffd", "", "", True),
-                                             ("\ufffd!", "a", "\ufffd", False)]:
+    for stop, streamed, flushed, stopped in [("\ufffd", "a", "", "\ufffd"), ("a\ufffd", "", "", "a\ufffd"),
+                                             ("\ufffd!", "a", "\ufffd", None)]:
         detok, pieces = stream(tok, [ord("a"), 0xC3], [stop])
         assert "".join(pieces) == streamed
         assert detok.flush() == flushed and detok.text == streamed + flushed and detok.stopped == stopped

@@ -310,7 +310,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skipped = tokenizer.control if skip_special_tokens else set()
         self.stop = list(stop or [])
-        self.stopped = False
+        self.stopped: str | None = None  # the stop string found, once one is
         self.text = ""
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a split character's bytes
         self._held = ""
@@ -330,10 +330,10 @@ class IncrementalDetokenizer:
     def _take(self, text: str, final: bool = False, armed: bool = True) -> str:
         self._held += text
         # Released text never holds a stop string's start, so a stop string can only begin in the held text.
-        hits = [i for i in (self._held.find(s) for s in self.stop) if i >= 0] if armed else []
+        hits = [(i, s) for s in self.stop if (i := self._held.find(s)) >= 0] if armed else []
         if hits:
-            self.stopped = True
-            return self._release(min(hits))
+            at, self.stopped = min(hits)
+            return self._release(at)
         return self._release(len(self._held) - (0 if final else self._stop_prefix_len()))
 
     def _stop_prefix_len(self) -> int:
