@@ -49,10 +49,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 
 
-class ClientGone(Exception):
-    pass
-
-
 class Histogram:
     """A Prometheus histogram; only the engine thread observes, so it needs no lock."""
 
@@ -329,7 +325,11 @@ class Handler(BaseHTTPRequestHandler):
         if method not in ("GET", "POST"):
             self.close_connection = True  # a body it may carry stays unread
         try:
-            body = self._read_body() if method == "POST" else b""
+            try:
+                body = self._read_body() if method == "POST" else b""
+            except ApiError:
+                self.close_connection = True  # the body's unread rest would be taken for the next request
+                raise
             try:
                 self.route = path = urlsplit(self.path).path
             except ValueError:  # such as http://[/health
@@ -353,7 +353,7 @@ class Handler(BaseHTTPRequestHandler):
             route()
         except ApiError as e:
             self._send(e.status, e.body())
-        except (ClientGone, OSError):  # the client left mid-response
+        except OSError:  # the client left mid-response
             self.close_connection = True
             self.log_info["client"] = "gone"
         if self.app.log:
@@ -368,7 +368,6 @@ class Handler(BaseHTTPRequestHandler):
         chunked = coding is not None and coding.strip().lower() == "chunked" and "Content-Length" not in self.headers
         length = int(n) if (n := self.headers.get("Content-Length", "")).isdecimal() else -1
         if not chunked and (not 0 <= length <= self.app.max_body or coding is not None):
-            self.close_connection = True  # the unread body would be taken for the next request
             if coding is not None:  # another coding, or both headers (a request-smuggling pattern)
                 raise ApiError(501 if "Content-Length" not in self.headers else 400,
                                f"Transfer-Encoding {coding[:50]!r}: only 'chunked', without a Content-Length")
@@ -382,10 +381,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             body = self._read_chunks() if chunked else self.rfile.read(length)
         except TimeoutError:
-            self.close_connection = True
             raise ApiError(408, f"timed out after {self.app.timeout:g}s reading the request body") from None
         if len(body) < length:  # the client closed its side before sending all of it
-            self.close_connection = True
             raise ApiError(400, f"the request body ended after {len(body)} of its {length} bytes")
         return body
 
@@ -396,11 +393,9 @@ class Handler(BaseHTTPRequestHandler):
         body = b""
         while size := self._chunk_size():
             if len(body) + size > self.app.max_body:
-                self.close_connection = True
                 raise ApiError(413, f"the request body is over {self.app.max_body} bytes")
             data = self.rfile.read(size + 2)
             if data[size:] != b"\r\n":
-                self.close_connection = True
                 raise ApiError(400, "a chunk of the request body is cut short or not followed by CRLF")
             body += data[:size]
         while self.rfile.readline(8192).strip():  # trailer fields: read past, unused
@@ -410,7 +405,6 @@ class Handler(BaseHTTPRequestHandler):
     def _chunk_size(self) -> int:
         line = self.rfile.readline(1024).split(b";")[0].strip()  # ";name=value": chunk extensions, unused
         if not re.fullmatch(rb"[0-9a-fA-F]{1,8}", line):
-            self.close_connection = True
             raise ApiError(400, f"malformed chunk size {line[:20]!r} in the request body")
         return int(line, 16)
 
@@ -539,7 +533,7 @@ class Handler(BaseHTTPRequestHandler):
             if time.monotonic() - self.checked > 0.1:
                 sock = self.connection  # an OSError here means it left too: do_GET takes both alike
                 if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
-                    raise ClientGone
+                    raise ConnectionAbortedError("the client closed its connection")
                 self.checked = time.monotonic()
             try:
                 item = replies.get(timeout=0.1)
