@@ -14,7 +14,7 @@ from kv_cache import BlockManager
 from parallel import WorkerFailure
 from runner import ModelRunner, TokenLogprob
 from scheduler import Scheduler
-from sequence import SamplingParams, Sequence, Status
+from sequence import SamplingParams, Sequence, Status, require
 from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer, read_chat_template
 
 
@@ -88,26 +88,19 @@ class Engine:
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = (self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str)
                else list(prompt))
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"token ids must be in [0, {vocab})")
-        if not all(0 <= t < vocab for t in [*params.logit_bias, *params.stop_token_ids]):
-            raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
-        blocks = -(-(len(ids) + params.max_tokens) // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {blocks} KV blocks; the pool has only "
-                             f"{self.block_manager.num_blocks}")
-        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
-            raise ValueError(f"prompt ({len(ids)} tokens) exceeds max_num_batched_tokens "
-                             f"({self.config.max_num_batched_tokens}) with chunked prefill off")
+        c, vocab, pool = self.config, self.model_config.vocab_size, self.block_manager.num_blocks
+        blocks = -(-(len(ids) + params.max_tokens) // c.block_size)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        require([(bool(ids), "prompt is empty"),
+                 (all(0 <= t < vocab for t in ids), f"token ids must be in [0, {vocab})"),
+                 (all(0 <= t < vocab for t in [*params.logit_bias, *params.stop_token_ids]),
+                  f"logit_bias and stop_token_ids take token ids in [0, {vocab})"),
+                 (len(ids) + params.max_tokens <= self.max_model_len, f"prompt ({len(ids)} tokens) + max_tokens "
+                  f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"),
+                 (blocks <= pool, f"prompt + max_tokens needs {blocks} KV blocks; the pool has only {pool}"),
+                 (c.enable_chunked_prefill or len(ids) <= c.max_num_batched_tokens, f"prompt ({len(ids)} tokens) "
+                  f"exceeds max_num_batched_tokens ({c.max_num_batched_tokens}) with chunked prefill off"),
+                 (request_id not in self.requests, f"duplicate request id {request_id!r}")])
         seq = Sequence(request_id, ids, params)
         seq.generator = torch.Generator(self.device).manual_seed(
             params.seed if params.seed is not None else self.rng.getrandbits(63))

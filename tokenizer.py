@@ -57,11 +57,11 @@ def _token_bytes(token: str) -> bytes:
 class Tokenizer:
     """Byte-level BPE. tiktoken does the splitting and merging; this class owns ids, specials and chat."""
 
-    def __init__(self, vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]] | None, pattern: str,
+    def __init__(self, vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]], pattern: str,
                  special: dict[str, int], control: set[int], bos_id: int | None, eos_id: int | None,
                  add_bos_token: bool = False, chat_template: str | None = None, extra_stops: tuple[int, ...] = ()):
-        """vocab: ordinary tokens; merges: HF's list, or None when vocab is tiktoken ranks (ids) already;
-        special: texts matched whole in the input; control: the ids skip_special_tokens drops."""
+        """vocab: ordinary tokens; merges: HF's list; special: texts matched whole in the input; control: the
+        ids skip_special_tokens drops."""
         self._pieces = [b""] * (max([*vocab.values(), *special.values()]) + 1)  # id -> bytes
         for piece, i in vocab.items():
             self._pieces[i] = piece
@@ -70,19 +70,17 @@ class Tokenizer:
         self.special = special
         self.control = control
         self.vocab_size = len(self._pieces)
+        turn_ends = [special[t] for t in END_OF_TURN if t in special]
         if eos_id is None:
-            eos_id = next((special[t] for t in END_OF_TURN if t in special), None)
-            if eos_id is None:
+            if not turn_ends:
                 raise ValueError("the tokenizer names no eos token and has none of " + ", ".join(END_OF_TURN))
+            eos_id = turn_ends[0]
         self.bos_id = bos_id
         self.eos_id: int = eos_id
         self.add_bos_token = add_bos_token  # what the checkpoint asks for on plain (non-chat) prompts
-        self.stop_token_ids = {eos_id, *extra_stops, *(special[t] for t in END_OF_TURN if t in special)}
+        self.stop_token_ids = {eos_id, *extra_stops, *turn_ends}
         self.chat_template = chat_template or CHATML_TEMPLATE
-        if merges is None:
-            ranks, rank_to_id = vocab, np.arange(len(vocab), dtype=np.int64)
-        else:
-            ranks, rank_to_id = _merge_ranks(vocab, merges)
+        ranks, rank_to_id = _merge_ranks(vocab, merges)
         # tiktoken returns ranks; specials get ranks past the mergeable ones and map back to their ids.
         self._rank_to_id = np.concatenate([rank_to_id, np.fromiter(special.values(), np.int64, len(special))])
         self._special_ranks = {t: len(rank_to_id) + i for i, t in enumerate(special)}
@@ -222,7 +220,7 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
     is a token (ids 0-255), then ChatML's specials. The ids past them, up to the model's vocab_size, each
     decode to one printable ASCII character (never produced by encode), so every token streams text."""
     special = {t: 256 + i for i, t in enumerate(("<|endoftext|>", "<|im_start|>", "<|im_end|>"))}
-    tok = Tokenizer({bytes([b]): b for b in range(256)}, None, GPT2_PATTERN, special, set(special.values()),
+    tok = Tokenizer({bytes([b]): b for b in range(256)}, [], GPT2_PATTERN, special, set(special.values()),
                     None, special["<|endoftext|>"])
     tok._pieces += [bytes([33 + i % 94]) for i in range(tok.vocab_size, vocab_size)]
     tok.vocab_size = len(tok._pieces)
