@@ -192,7 +192,8 @@ def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) 
 
 def choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: list[TokenLogprob],
            last: RequestOutput | None, offset: int = 0) -> dict:
-    """One choice of a reply or of a stream's chunk; `last` is the output that finished it, if one did."""
+    """One choice of a reply or of a stream's chunk; `last` is the engine output it reports the reasons of
+    (None for a chunk of no output, such as an echo)."""
     if not chat:
         choice = {"index": i, "text": text}
     elif stream:

@@ -531,7 +531,7 @@ class Handler(BaseHTTPRequestHandler):
             if time.monotonic() > deadline:
                 raise ApiError(408, f"the request took longer than --request-timeout {self.app.request_timeout:g}s")
             if time.monotonic() - self.checked > 0.1:
-                sock = self.connection  # an OSError here means it left too: do_GET takes both alike
+                sock = self.connection  # do_GET takes any OSError, this one or a failed recv, as the client gone
                 if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
                     raise ConnectionAbortedError("the client closed its connection")
                 self.checked = time.monotonic()
