@@ -61,8 +61,7 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
         if seq.request_id in finished:
             d["finished"] = finished[seq.request_id]
         return d
-    lanes = [lane(seq, n) for seq, n in out.scheduled] + \
-        [lane(seq, 0) for seq in s.running if id(seq) not in scheduled]
+    lanes = [lane(seq, n) for seq, n in out.scheduled] + [lane(seq, 0) for seq in s.running if id(seq) not in scheduled]
     cached = [b for b in bm.free_blocks if bm.block_hash[b] is not None]
     return {"step": number, "ms": round(seconds * 1000, 2), "budget": engine.config.max_num_batched_tokens,
             "batch_tokens": sum(scheduled.values()), "lanes": lanes,

@@ -1,6 +1,5 @@
-"""The OpenAI API's side of the server: request bodies checked field by field and turned into prompts and
-SamplingParams, results shaped as OpenAI's responses, and its error envelope. No sockets or threads here:
-serve.py carries these over HTTP."""
+"""The OpenAI API's side of the server, without sockets or threads (serve.py carries it over HTTP): request bodies
+checked field by field and turned into prompts and SamplingParams, replies and errors shaped as OpenAI's."""
 from __future__ import annotations
 
 import itertools
@@ -10,8 +9,7 @@ import math
 from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# The request fields the server implements, with their JSON types (/openapi.json is built from these).
-# Any other field that is not null is refused with a 400 naming it: never silently ignored.
+# The request fields implemented, with JSON types (/openapi.json's source); any other non-null one gets a 400.
 SAMPLING_FIELDS = {
     "model": "string", "n": "integer", "stream": "boolean", "stream_options": "object", "max_tokens": "integer",
     "temperature": "number", "top_p": "number", "top_k": "integer", "min_p": "number", "seed": "integer",
@@ -143,8 +141,7 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
     if chat:
         top, wanted = get(body, "top_logprobs", int, 0), get(body, "logprobs", bool, False)
         if not 0 <= top <= 20 or top and not wanted:
-            raise ApiError(400, "'top_logprobs' must be in [0, 20], and above 0 needs 'logprobs': true",
-                           "top_logprobs")
+            raise ApiError(400, "'top_logprobs' must be in [0, 20], and above 0 needs 'logprobs': true", "top_logprobs")
         logprobs = top if wanted else None
     else:
         logprobs = get(body, "logprobs", int)
@@ -165,8 +162,7 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
             frequency_penalty=get(body, "frequency_penalty", float, 0.0), logprobs=logprobs,
             stop_token_ids=stop_ids, min_tokens=get(body, "min_tokens", int, 0),
             repetition_penalty=get(body, "repetition_penalty", float, d.get("repetition_penalty", 1.0)),
-            logit_bias=bias,
-            skip_special_tokens=get(body, "skip_special_tokens", bool, True))
+            logit_bias=bias, skip_special_tokens=get(body, "skip_special_tokens", bool, True))
     except ValueError as e:  # the messages read "<field> must be ..."
         raise ApiError(400, str(e), str(e).split()[0]) from e
 
@@ -224,8 +220,7 @@ def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
     if unknown := sorted(set(options) - {"include_usage"}):
         raise ApiError(400, f"stream_options: unsupported key(s) {', '.join(unknown)} (only include_usage)",
                        "stream_options", "unsupported_field")
-    usage_chunk = get(options, "include_usage", bool, False)
-    return n, stream, echo, usage_chunk
+    return n, stream, echo, get(options, "include_usage", bool, False)
 
 
 def check_model(body: dict, names: list[str]) -> None:
@@ -235,7 +230,6 @@ def check_model(body: dict, names: list[str]) -> None:
 
 
 def openapi(version: str) -> dict:
-    """An OpenAPI description of the routes and of the request fields the server takes (FIELDS)."""
     ok = {"200": {"description": "OK"}, "400": {"description": "Bad request, OpenAI's error JSON"}}
 
     def post(path: str) -> dict:

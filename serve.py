@@ -10,7 +10,6 @@ import argparse
 import hmac
 import importlib.metadata
 import json
-import math
 import os
 import queue
 import re
@@ -87,23 +86,22 @@ class Stream:
 class HTTPServer(ThreadingHTTPServer):
     request_queue_size = 1024  # the default backlog of 5 resets clients that connect all at once
     block_on_close = False     # stop() must not wait for idle keep-alive connections
-    app: Server
 
-    def __init__(self, address: tuple[str, int], handler: type):
+    def __init__(self, address: tuple[str, int], handler: type, app: Server):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET  # ::1 and the like
+        self.app = app
         super().__init__(address, handler)
 
 
 class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 max_queue: int = 1024, timeout: float = 30.0, max_body: int = 8 * 2**20,
-                 served_model_name: str | None = None, request_timeout: float | None = None,
+                 max_queue: int = 1024, served_model_name: str | None = None, request_timeout: float | None = None,
                  log_requests: bool = True, allowed_origins: tuple[str, ...] = ()):
         self.config, self.host, self.port, self.api_key, self.max_queue = config, host, port, api_key, max_queue
         self.served_model_name = served_model_name
         self.request_timeout = request_timeout  # seconds from submission; the request then ends, its KV freed
-        self.timeout = timeout    # per-connection socket timeout: a stalled client holds only its own thread
-        self.max_body = max_body  # bytes
+        self.timeout = 30.0  # per-connection socket timeout: a stalled client holds only its own thread
+        self.max_body = 8 * 2**20  # bytes
         self.allowed_origins = allowed_origins  # web pages (scheme://host:port, or "*") whose scripts may call us
         self.engine: Engine | None = None  # set once loaded
         self.model_names: list[str] = []   # the served name first, then others a request may use
@@ -120,15 +118,11 @@ class Server:
         self._httpd: HTTPServer | None = None
         self._threads: list[threading.Thread] = []
 
-    @property
-    def url(self) -> str:
-        return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
-
     def start(self) -> None:
         """Bind and serve at once; the model loads on the engine thread (/health answers 503 until then)."""
-        self._httpd = HTTPServer((self.host, self.port), Handler)
-        self._httpd.app = self
+        self._httpd = HTTPServer((self.host, self.port), Handler, self)
         self.port = self._httpd.server_address[1]
+        self.url = f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
         # serve_forever looks for stop()'s shutdown between polls: every 50 ms rather than its default 500.
         self._threads = [threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="http", daemon=True),
                          threading.Thread(target=self._engine_loop, name="engine", daemon=True)]
@@ -156,11 +150,10 @@ class Server:
         """Sequences to add, or request ids to abort; any thread."""
         self._inbox.put(item)
         if self.dead:  # nobody else will answer it: whichever of us drains after `dead` is set does
-            self._refuse_inbox()
+            self._refuse_inbox([])
 
-    def _refuse_inbox(self, taken: list | None = None) -> None:
-        """Answer every request taken from the inbox (`taken`) or still in it with the engine's death."""
-        items = list(taken or [])
+    def _refuse_inbox(self, items: list) -> None:
+        """Answer every request in items (taken from the inbox) or still in the inbox with the engine's death."""
         while True:
             try:
                 items.append(self._inbox.get_nowait())
@@ -175,9 +168,8 @@ class Server:
         try:
             engine = Engine(c)
             engine.on_step = self.steps.publish
-            path = engine.checkpoint_path
             self.model_names = [self.served_model_name] if self.served_model_name else list(dict.fromkeys(
-                [c.model, *(os.path.basename(p.rstrip("/")) for p in (c.model, path) if p)]))
+                [c.model, *(os.path.basename(p.rstrip("/")) for p in (c.model, engine.checkpoint_path) if p)]))
             self.stats = engine.stats()
             self.engine = engine
         except BaseException as e:  # wait_ready reports it
@@ -209,7 +201,7 @@ class Server:
                 break
             for item in items:
                 if isinstance(item, Submit):
-                    self._add(item, streams)
+                    item.replies.put(self._add(item, streams))
                     continue
                 for rid in item:
                     engine.abort(rid)
@@ -241,16 +233,15 @@ class Server:
         for stream in streams.values():
             stream.replies.put(ApiError(503, "the server is shutting down"))
 
-    def _add(self, job: Submit, streams: dict[str, Stream]) -> None:
+    def _add(self, job: Submit, streams: dict[str, Stream]) -> ApiError | None:
+        """Adds all of job's sequences and returns None, or adds none and returns why."""
         waiting = self.engine.stats()["num_waiting"]
         if len(job.seqs) > self.max_queue:  # never accepted: a 429 would have the client retry
-            job.replies.put(ApiError(400, f"this request has {len(job.seqs)} sequences (prompts times n), more "
-                                          f"than the server queues (--max-queue {self.max_queue})"))
-            return
+            return ApiError(400, f"this request has {len(job.seqs)} sequences (prompts times n), more "
+                                 f"than the server queues (--max-queue {self.max_queue})")
         if waiting + len(job.seqs) > self.max_queue:
-            job.replies.put(ApiError(429, f"{waiting} requests are waiting (--max-queue {self.max_queue}); "
-                                          "retry later", code="rate_limit_exceeded"))
-            return
+            return ApiError(429, f"{waiting} requests are waiting (--max-queue {self.max_queue}); retry later",
+                            code="rate_limit_exceeded")
         added: list[str] = []
         try:
             for rid, ids, params in job.seqs:
@@ -258,10 +249,9 @@ class Server:
         except Exception as e:  # ValueError: an impossible request (context, empty prompt, pool too small)
             for rid in added:
                 self.engine.abort(rid)
-            job.replies.put(ApiError(400 if isinstance(e, ValueError) else 500, str(e)))
-            return
+            return ApiError(400 if isinstance(e, ValueError) else 500, str(e))
         streams.update((rid, Stream(job.replies, job.submitted, job.submitted)) for rid in added)
-        job.replies.put(None)
+        return None
 
 
 def _version() -> str:
@@ -289,13 +279,8 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:
         pass  # clients' protocol errors get their answer and idle keep-alive timeouts are routine: no log
 
-    def send_response(self, code: int, message: str | None = None) -> None:
-        self.status = code
-        super().send_response(code, message)
-
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own refusals (a malformed request line, an unknown method, oversized headers)
-        in OpenAI's envelope instead of its HTML page."""
+        """http.server's own refusals (bad request line, unknown method, oversized headers) as OpenAI JSON, not HTML."""
         self.close_connection = True
         self._send(code, ApiError(code, message or HTTPStatus(code).phrase).body())
 
@@ -314,12 +299,9 @@ class Handler(BaseHTTPRequestHandler):
         began, self.status, self.log_info = time.monotonic(), 0, {}
         if self.command == "OPTIONS" and self._origin() and self.headers.get("Access-Control-Request-Method"):
             # A browser's CORS preflight (it carries no API key): which methods and headers the request may use.
-            self.send_response(204)
-            for header in [("Access-Control-Allow-Methods", "GET, POST"), ("Access-Control-Max-Age", "600"),
-                           ("Access-Control-Allow-Headers", self.headers.get("Access-Control-Request-Headers", "")),
-                           ("Content-Length", "0")]:
-                self.send_header(*header)
-            self.end_headers()
+            self._head(204, [("Access-Control-Allow-Methods", "GET, POST"), ("Access-Control-Max-Age", "600"),
+                             ("Access-Control-Allow-Headers", self.headers.get("Access-Control-Request-Headers", "")),
+                             ("Content-Length", "0")])
             return
         method = "GET" if self.command == "HEAD" else self.command  # HEAD: GET's headers, no body
         if method not in ("GET", "POST"):
@@ -387,9 +369,8 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def _read_chunks(self) -> bytes:
-        """A body sent as chunks, each its size in hex on a line of its own, then its bytes and CRLF; a
-        chunk of size 0 and an empty line (after any trailer lines) end it. Clients that stream an upload
-        send this instead of a Content-Length."""
+        """A chunked body (a streamed upload's, instead of a Content-Length): each chunk its size in hex on a line,
+        then its bytes and CRLF; a chunk of size 0 and an empty line (after any trailer lines) end it."""
         body = b""
         while size := self._chunk_size():
             if len(body) + size > self.app.max_body:
@@ -410,23 +391,27 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, obj: dict | str, content_type: str = "application/json") -> None:
         data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(data)))]
         if status in (408, 500):  # openai's clients retry these twice unless told: it would fail the same way
-            self.send_header("x-should-retry", "false")
+            headers.append(("x-should-retry", "false"))
         if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
+            headers.append(("Connection", "close"))
+        self._head(status, headers)
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def _head(self, status: int, headers: list[tuple[str, str]]) -> None:
+        self.status = status  # for the access log
+        self.send_response(status)
+        for header in headers:
+            self.send_header(*header)
+        self.end_headers()
+
     def _engine(self) -> Engine:
-        if self.app.dead or (self.app.engine and self.app.engine.failure):
-            raise ApiError(503, self.app.dead or self.app.engine.failure)
-        if self.app.engine is None:
-            raise ApiError(503, "the model is still loading")
-        return self.app.engine
+        engine = self.app.engine
+        if why := self.app.dead or (engine.failure if engine else "the model is still loading"):
+            raise ApiError(503, why)
+        return engine
 
     def _page(self) -> None:
         if (path := next((p for p in PAGES if os.path.isfile(p)), None)) is None:
@@ -435,9 +420,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, f.read(), "text/html; charset=utf-8")
 
     def _steps(self) -> None:
-        """The engine's step events as server-sent events (events.py), from the oldest still kept; a
-        watcher that falls behind gets {"missed": n} and goes on from the oldest kept. While nothing
-        happens, a comment every second finds a watcher that left."""
+        """The step events (events.py) as server-sent events from the oldest kept; a watcher that falls behind gets
+        {"missed": n} and goes on from the oldest kept. While idle, a comment every second finds a watcher that left."""
         self._engine()
         if self.command == "HEAD":
             return self._open_stream()
@@ -461,11 +445,8 @@ class Handler(BaseHTTPRequestHandler):
                 events.watchers -= 1
 
     def _open_stream(self) -> None:
-        self.send_response(200)
-        for header in [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                       ("Transfer-Encoding", "chunked")]:
-            self.send_header(*header)
-        self.end_headers()
+        self._head(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                         ("Transfer-Encoding", "chunked")])
 
     def _health(self) -> None:
         self._engine()
@@ -544,7 +525,6 @@ class Handler(BaseHTTPRequestHandler):
             return item
 
     def _event(self, obj: dict | str) -> None:
-        """One server-sent event, as one chunk of the chunked body."""
         self._chunk(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
 
     def _chunk(self, data: bytes) -> None:
@@ -555,7 +535,6 @@ class Handler(BaseHTTPRequestHandler):
         n, stream, echo, usage_chunk = openai_api.reply_options(body, self.app.model_names)
         sent, prompts = (([None], [openai_api.chat_prompt(body, engine)]) if chat
                          else openai_api.completion_prompts(body, engine))
-        # echo gives back a text prompt as it came, token ids as their text
         echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in sent]
         job = Submit([(uuid.uuid4().hex, ids, openai_api.sampling_params(body, chat, len(ids), engine, i))
                       for ids in prompts for i in range(n)], queue.Queue())
@@ -570,11 +549,10 @@ class Handler(BaseHTTPRequestHandler):
             return {**head, "choices": choices, **({"usage": None} if usage_chunk else {})}
 
         self.app.submit(job)
-        deadline = job.submitted + (self.app.request_timeout or math.inf)
+        deadline = job.submitted + (self.app.request_timeout or float("inf"))
         streaming = False  # once a stream's headers are out, errors go into the stream
         try:
-            if (refusal := self._next(job.replies, deadline)) is not None:
-                raise refusal
+            self._next(job.replies, deadline)  # None once accepted; _next raises a refusal
             if stream:
                 self._open_stream()
                 streaming = True
