@@ -3,7 +3,7 @@ build their command lines from them (help text included), so a new knob appears 
 import argparse
 import math
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from sequence import require, typed
 
@@ -93,7 +93,6 @@ def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None
         if "help" not in f.metadata:
             continue
         flag, default = "--" + f.name.replace("_", "-"), f.default
-        assert default is not MISSING
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=f.metadata["help"] + (" (default on)" if default else ""))

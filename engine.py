@@ -53,9 +53,8 @@ class Engine:
         # Read before the weights: a bad template file fails at once, not after minutes of loading.
         template = read_chat_template(c.chat_template) if c.chat_template else None
         self.runner = r = ModelRunner(c)
-        self.device, self.dtype, self.model_config, self.max_model_len = r.device, r.dtype, r.model_config, \
-            r.max_model_len
-        self.checkpoint_path = r.checkpoint_path
+        self.device, self.dtype, self.model_config = r.device, r.dtype, r.model_config
+        self.max_model_len, self.checkpoint_path = r.max_model_len, r.checkpoint_path
         self.tokenizer = (byte_tokenizer(self.model_config.vocab_size) if c.dummy_weights
                           else load_tokenizer(r.checkpoint_path))
         if template:
@@ -111,9 +110,8 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
-        if seq is not None and seq.status is not Status.FINISHED:
-            self.scheduler.finish(seq)
+        if request_id in self.requests:  # not finished yet
+            self._finish(self.requests[request_id])
         self.held = [o for o in self.held if o.request_id != request_id]  # static mode: finished, not yet out
 
     @property
@@ -165,7 +163,6 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
-        p = seq.params
         delta = ""
         reason = stop_reason = None
         if token in seq.stop_ids:
@@ -173,12 +170,12 @@ class Engine:
         else:  # an ignored EOS too: its text goes out unless skip_special_tokens (the default) drops it
             try:
                 # As in vLLM, stop strings count from min_tokens on, like stop tokens.
-                delta = seq.detokenizer.feed(token, len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
+                delta = seq.detokenizer.feed(token, len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens)
             except Exception as e:  # a tokenizer bug fails this request, not its neighbours
                 return self._fail(seq, f"detokenizing failed ({type(e).__name__}: {e})")
             if seq.detokenizer.stopped:
                 reason = "stop"
-        if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens
+        if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -229,9 +226,7 @@ class LLM(Engine):
             raise
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
+            done |= {out.request_id: out for out in self.step() if out.finished}
         return [done[i] for i in ids]
 
     def chat(self, conversations: list[dict] | list[list[dict]],

@@ -14,7 +14,6 @@ import torch
 
 @dataclass
 class KVShape:
-    """What the cache needs to know of the model."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -37,13 +36,11 @@ class KVCache:
     def __init__(self, kv: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_swap_blocks: int = 0):
         shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device))
+        self.layers = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
                        for _ in range(kv.num_layers)]
-        host = (num_swap_blocks, *shape[1:])
         self.pinned = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
-        self.host = [tuple(torch.zeros(host, dtype=dtype, pin_memory=self.pinned) for _ in "kv")
-                     for _ in range(kv.num_layers)] if num_swap_blocks else []
+        self.host = [tuple(torch.zeros((num_swap_blocks, *shape[1:]), dtype=dtype, pin_memory=self.pinned)
+                           for _ in "kv") for _ in range(kv.num_layers)] if num_swap_blocks else []
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
         """Copy (device block -> host block) pairs out, then (host block -> device block) pairs in.
@@ -73,12 +70,11 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    """A pool of block ids: an LRU-ordered free list and reference counts. With prefix caching,
-    every full block of a prompt is published under its block_key, which names its whole prefix. A new
-    sequence whose prompt starts with the same blocks shares them (ref count + 1) instead of recomputing
-    them. Blocks of generated tokens are neither published nor shared: on CPU a prompt token's
-    attention is computed otherwise than a generated one's (cpu.BucketedAttention), so they would not
-    hold what another sequence's prompt computes at those positions.
+    """A pool of block ids: an LRU-ordered free list and reference counts. With prefix caching, every full block
+    of a prompt is published under its block_key, which names its whole prefix. A new sequence whose prompt starts
+    with the same blocks shares them (ref count + 1) instead of recomputing them. Blocks of generated tokens are
+    neither published nor shared: on CPU a prompt token's attention is computed otherwise than a generated one's
+    (cpu.BucketedAttention), so they would not hold what another sequence's prompt computes at those positions.
     Freed blocks keep their content and key until the pool hands them out again, oldest-freed first."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
@@ -105,11 +101,9 @@ class BlockManager:
         """Grow block_table in place to cover num_tokens (caller checked can_allocate)."""
         for _ in range(self.blocks_needed(block_table, num_tokens)):
             block, _ = self.free_blocks.popitem(last=False)
-            h = self.block_hash[block]
-            if h is not None:  # reusing the least recently freed block evicts its cached prefix
-                self.block_hash[block] = None
-                if self.cached.get(h) == block:
-                    del self.cached[h]
+            if self.cached.get(self.block_hash[block]) == block:  # reusing a freed block evicts its cached prefix
+                del self.cached[self.block_hash[block]]
+            self.block_hash[block] = None
             self.ref_counts[block] = 1
             block_table.append(block)
 
@@ -149,6 +143,5 @@ class BlockManager:
             parent = self.block_hash[block_table[i - 1]] if i else b""
             if self.block_hash[block] is not None or parent is None:
                 continue  # already keyed (shared), or its prefix is unknown (swapped back in)
-            h = block_key(parent, token_ids[i * bs:(i + 1) * bs])
-            self.block_hash[block] = h
+            h = self.block_hash[block] = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             self.cached.setdefault(h, block)  # a twin computed by another sequence keeps the entry

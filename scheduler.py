@@ -63,11 +63,10 @@ class Scheduler:
             if n == 0 or not self.blocks.can_allocate([], seq.num_computed_tokens + n):
                 break
             self.swapped.popleft()
-            self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
+            self._schedule(seq, n, out)
             out.swap_in += zip(seq.swap_table, seq.block_table)
             out.swapped_in.append(seq)
             self.swap_space.free(seq.swap_table)
-            self._schedule(seq, n, out)
         # No admissions in a step that had to preempt: the pool is full, and a sequence admitted now
         # would only be preempted again next step.
         while (self.config.scheduling == "continuous" and not self.swapped and self.waiting
@@ -90,7 +89,6 @@ class Scheduler:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += cached
         seq.num_computed_tokens = seq.num_cached_tokens = cached
-        self.blocks.allocate(seq.block_table, cached + n)
         self._schedule(seq, n, out)
         return True
 
@@ -119,6 +117,8 @@ class Scheduler:
         return 0 if not self.config.enable_chunked_prefill and n <= self.config.max_num_batched_tokens else self.budget
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Run n more of seq's tokens this step, in blocks the caller checked are free."""
+        self.blocks.allocate(seq.block_table, seq.num_computed_tokens + n)
         if seq.status is not Status.RUNNING:
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -131,14 +131,12 @@ class Scheduler:
         n = self._cut(seq, seq.num_computed_tokens)
         if n == 0:
             return
-        need = seq.num_computed_tokens + n
-        while not self.blocks.can_allocate(seq.block_table, need):
+        while not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + n):
             taken = {id(s) for s, _ in out.scheduled}  # only when short of blocks: O(sequences) a step otherwise
             victim = max((s for s in self.running if id(s) not in taken), key=lambda s: s.arrival)
             self.preempt(victim, out)
             if victim is seq:
                 return
-        self.blocks.allocate(seq.block_table, need)
         self._schedule(seq, n, out)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -148,17 +146,16 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.swap_space.can_allocate([], seq.num_computed_tokens):
             self.swap_space.allocate(seq.swap_table, seq.num_computed_tokens)
             out.swap_out += zip(seq.block_table, seq.swap_table)
-            self.blocks.free(seq.block_table)
             seq.status = Status.SWAPPED
             self.swapped.append(seq)
-            return
-        # Recompute: drop the KV and requeue ahead of new arrivals. The generated tokens stay in
-        # token_ids, so the next prefill recomputes them as if they were prompt.
+        else:
+            # Recompute: drop the KV and requeue ahead of new arrivals. The generated tokens stay in
+            # token_ids, so the next prefill recomputes them as if they were prompt.
+            seq.num_computed_tokens = 0
+            seq.status = Status.WAITING
+            # Earlier-arrived sequences are preempted later, so they end up in front: arrival order holds.
+            self.waiting.appendleft(seq)
         self.blocks.free(seq.block_table)
-        seq.num_computed_tokens = 0
-        seq.status = Status.WAITING
-        # Earlier-arrived sequences are preempted later, so they end up in front: arrival order holds.
-        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence (finished or aborted): its slot and KV blocks are free at once."""

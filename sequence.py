@@ -9,7 +9,6 @@ from typing import Any
 
 
 def require(checks: list[tuple[bool, str]]) -> None:
-    """Raise ValueError with the message of the first check that fails."""
     for ok, message in checks:
         if not ok:
             raise ValueError(message)

@@ -34,24 +34,16 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's spelling of each byte as a printable character, the alphabet of byte-level vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    spelling = {b: chr(b) for b in printable}
-    for b in range(256):
-        if b not in spelling:
-            spelling[b] = chr(256 + len(spelling) - len(printable))
-    return spelling
-
-
-_UNSPELL = {c: b for b, c in _bytes_to_unicode().items()}
+# GPT-2's bytes_to_unicode, read back: byte-level vocabularies spell each byte as a printable character, itself
+# if it is printable, else one from U+0100 on, in byte order.
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_UNSPELL = {chr(b): b for b in _PRINTABLE} | {
+    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
 
 
 def _token_bytes(token: str) -> bytes:
     # Added tokens may be written in plain text rather than the byte alphabet; HF decodes them as such.
-    if all(c in _UNSPELL for c in token):
-        return bytes(_UNSPELL[c] for c in token)
-    return token.encode()
+    return bytes(_UNSPELL[c] for c in token) if all(c in _UNSPELL for c in token) else token.encode()
 
 
 class Tokenizer:
@@ -62,13 +54,9 @@ class Tokenizer:
                  add_bos_token: bool = False, chat_template: str | None = None, extra_stops: tuple[int, ...] = ()):
         """vocab: ordinary tokens; merges: HF's list; special: texts matched whole in the input; control: the
         ids skip_special_tokens drops."""
-        self._pieces = [b""] * (max([*vocab.values(), *special.values()]) + 1)  # id -> bytes
-        for piece, i in vocab.items():
-            self._pieces[i] = piece
-        for text, i in special.items():
-            self._pieces[i] = _token_bytes(text)
-        self.special = special
-        self.control = control
+        pieces = {i: piece for piece, i in vocab.items()} | {i: _token_bytes(t) for t, i in special.items()}
+        self._pieces = [pieces.get(i, b"") for i in range(max(pieces) + 1)]  # id -> bytes
+        self.special, self.control = special, control
         self.vocab_size = len(self._pieces)
         turn_ends = [special[t] for t in END_OF_TURN if t in special]
         if eos_id is None:
@@ -99,10 +87,8 @@ class Tokenizer:
         self._specials = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if special else None
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        if self._absent and self._absent.search(text):
-            ranks = self._encode_dropping_absent(text)
-        else:
-            ranks = self._enc.encode(text, allowed_special="all")
+        ranks = (self._encode_dropping_absent(text) if self._absent and self._absent.search(text)
+                 else self._enc.encode(text, allowed_special="all"))
         ids = self._rank_to_id[ranks]
         ids = ids[ids >= 0].tolist()
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
@@ -119,8 +105,7 @@ class Tokenizer:
         return ranks
 
     def decode_bytes(self, ids: list[int]) -> bytes:
-        n = self.vocab_size
-        return b"".join(self._pieces[i] for i in ids if 0 <= i < n)
+        return b"".join(self._pieces[i] for i in ids if 0 <= i < self.vocab_size)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if skip_special_tokens:
@@ -152,8 +137,7 @@ def _raise_template_error(message: str) -> None:
 
 
 def compile_chat_template(template: str) -> jinja2.Template:
-    """A chat template compiled in the environment transformers renders them in, so that the same
-    template gives the same text."""
+    """A chat template compiled in the environment transformers renders it in, so that it gives the same text."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
@@ -178,12 +162,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def _merge_ranks(vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]]) -> tuple[dict[bytes, int], np.ndarray]:
-    """tiktoken ranks for a BPE given as a merges list, and the table from rank to real id.
-
-    tiktoken merges the adjacent pair whose concatenation has the lowest rank; HF merges the pair
-    listed first. Ranking each token by the merge that makes it makes the two agree. All 256 bytes
-    need a rank; one the vocabulary lacks maps to -1.
-    """
+    """tiktoken ranks for a BPE given as a merges list, and the table from rank to real id. tiktoken merges the
+    adjacent pair whose concatenation has the lowest rank; HF merges the pair listed first. Ranking each token by
+    the merge that makes it makes the two agree. All 256 bytes need a rank; one the vocabulary lacks maps to -1."""
     ranks = {bytes([b]): b for b in range(256)}
     for left, right in merges:
         ranks.setdefault(left + right, len(ranks))
@@ -230,13 +211,12 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
 def _hf_pattern(pre: dict | None) -> str:
     steps = pre["pretokenizers"] if pre and pre["type"] == "Sequence" else [pre or {"type": None}]
     kinds = [s["type"] for s in steps]
-    last = steps[-1]
+    split, last = steps[0], steps[-1]
     if kinds[-1] == "ByteLevel" and not last.get("add_prefix_space", False):
         if kinds == ["ByteLevel"] and last.get("use_regex", True):
             return GPT2_PATTERN
         if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and last.get("use_regex", True):
             return GPT2_DIGITS_PATTERN
-        split = steps[0]
         if (kinds == ["Split", "ByteLevel"] and "Regex" in split["pattern"] and split.get("behavior") == "Isolated"
                 and not split.get("invert") and not last.get("use_regex", True)):
             return split["pattern"]["Regex"]
@@ -288,7 +268,6 @@ def _from_hf(directory: str) -> Tokenizer:
 
 def load_tokenizer(path: str) -> Tokenizer:
     """Tokenizer from a .gguf file or a Hugging Face directory (tokenizer.json)."""
-    path = os.fspath(path)
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             return _from_gguf(path)
@@ -336,8 +315,7 @@ class IncrementalDetokenizer:
 
     def _stop_prefix_len(self) -> int:
         for n in range(min(len(self._held), self._max_hold), 0, -1):
-            tail = self._held[-n:]
-            if any(s.startswith(tail) for s in self.stop):
+            if any(s.startswith(self._held[-n:]) for s in self.stop):
                 return n
         return 0
 

@@ -155,8 +155,7 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
     found = _checkpoint_at(path)
     if found is None:
         raise FileNotFoundError(f"{path} is not a checkpoint (a .gguf file or an HF safetensors directory)")
-    load = _load_gguf if found.endswith(".gguf") else _load_hf
-    config, state = load(found, dtype, rank, size)
+    config, state = (_load_gguf if found.endswith(".gguf") else _load_hf)(found, dtype, rank, size)
     expected = weight_shapes(config, size)
     got = {name: tuple(tensor.shape) for name, tensor in state.items()}
     if got != expected:
@@ -167,17 +166,15 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
 
 @functools.lru_cache(maxsize=1)
 def read_gguf(path: str) -> gguf.GGUFReader:
-    """A GGUF file's parsed header, kept for the next reader of the same file: the weights and the tokenizer
-    both read it. The engine drops it once both are loaded."""
+    """A GGUF file's parsed header, kept: the weights, then the tokenizer read it (the engine drops it after)."""
     return gguf_reader()(path)
 
 
 @functools.cache
 def gguf_reader() -> type:
-    """gguf's GGUFReader on a plain array view of the mapped file. Parsing slices the file once per item of
-    its arrays (the vocabulary's 49,152 tokens and 48,900 merges), and np.memmap's Python hooks on every
-    slice made that 2.9 s of a 4.3 s load; plain views take 0.7 s. gguf is imported here, so that nothing
-    else (random weights, safetensors) needs it installed."""
+    """gguf's GGUFReader on a plain array view of the mapped file. Parsing slices the file once per item of its
+    arrays (the vocabulary's 49,152 tokens and 48,900 merges), and np.memmap's Python hooks on every slice made
+    that 2.9 s of a 4.3 s load; plain views take 0.7 s. Imported here: only GGUF files need gguf installed."""
     from gguf.gguf_reader import GGUFReader
 
     class Reader(GGUFReader):
@@ -328,7 +325,6 @@ def sampling_defaults(path: str | None) -> dict[str, float]:
 
 
 def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
-    """The part of t that model.tp_split names, as a view; t itself for None."""
     return t if split is None else t.narrow(split[0], split[1], split[2] - split[1])
 
 
@@ -371,13 +367,10 @@ def weight_shapes(config: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int,
 def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
                   device: torch.device | str = "cpu", rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
     """Random weights of the real shapes (for benchmarking), drawn directly in `dtype` so peak memory is the model.
-
     Norm gains are ones and matrices N(0, 0.02) (the usual Llama init), which keeps activations finite through
     every layer; the outputs are meaningless. Drawing on the GPU (`device`) takes a second where the CPU needs about
-    a minute for 8B, and skips the host copy; the values then differ from the CPU ones for the same seed.
-    A rank of a tensor-parallel model draws every tensor whole and keeps its part (model.tp_split), so that
-    any tp_size gets the same model.
-    """
+    a minute for 8B, and skips the host copy; the values then differ from the CPU ones for the same seed. A rank
+    of a tensor-parallel model draws every tensor whole and keeps its part (model.tp_split): any tp_size, one model."""
     tp_check(config, tp_size)
     generator = torch.Generator(device=device).manual_seed(seed)
     return {name: torch.ones(shape, dtype=dtype, device=device) if len(shape) == 1
