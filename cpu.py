@@ -1,7 +1,6 @@
-"""CPU fast paths, an appendix to model.py and attention_cuda: the computations of the textbook forms
-there, arranged to run faster on a CPU (in bfloat16 the attention rounds where HF's eager attention
-does; with --quantization int4, the checkpoint's own 4-bit weights). optimize() swaps them into a
-loaded model once; the README has the measurements."""
+"""CPU fast paths, an appendix to model.py and attention_cuda: the textbook forms there, arranged to run faster on
+a CPU (in bfloat16 the attention rounds where HF's eager attention does; with --quantization int4, the
+checkpoint's own 4-bit weights). optimize() swaps them into a loaded model once; the README has the measurements."""
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +13,10 @@ import attention_cuda
 from model import BatchMeta, Transformer
 
 INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blocks
+ROW_TILE = 64   # the most rows per matmul call: see row_tile
+KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
+GROUP = 64  # prompt positions per attention item: see BucketedAttention (KEY_BUCKET is a multiple)
+CALL_BYTES = 4 << 20  # the keys one of BucketedAttention's batched matmuls reads, at most (as many values)
 
 
 def _cpu_flags() -> set[str]:
@@ -29,16 +32,9 @@ def has_bf16_units() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
-ROW_TILE = 64   # the most rows per matmul call: see row_tile
-KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
-GROUP = 64  # prompt positions per attention item: see BucketedAttention (KEY_BUCKET is a multiple)
-CALL_BYTES = 4 << 20  # the keys one of its batched matmuls reads, at most (as many values)
-
-
 def row_tile(max_num_seqs: int) -> int:
-    """Rows per matmul call in an engine of max_num_seqs sequences: that many rounded up to a power of
-    two, from 16 to ROW_TILE. A full decode step fits one tile, and an engine serving a few sequences
-    does not pay for 64 rows per token (README: what it costs); prefill chunks take several tiles."""
+    """Rows per matmul call: max_num_seqs rounded up to a power of two, from 16 to ROW_TILE. A full decode step
+    fits one tile, and a few sequences do not pay for 64 rows per token (README: what it costs)."""
     return min(ROW_TILE, max(16, 1 << (max_num_seqs - 1).bit_length()))
 
 
@@ -62,12 +58,10 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
 
 
 def keep_freed_memory() -> None:
-    """Have glibc's malloc keep freed memory for the next step instead of returning it to the OS. By
-    default a large freed tensor is unmapped (or trimmed off the heap), and the next step's tensor of
-    the same size faults every page back in, each zeroed by the kernel (README: what it cost). Fixing
-    the mmap threshold (32 MiB, glibc's largest) serves smaller tensors from the heap, and the trim
-    threshold keeps the heap's free top; the price is that the process stays at its peak size.
-    Elsewhere than glibc, nothing changes."""
+    """Have glibc's malloc keep freed memory for the next step: by default a large freed tensor is unmapped (or trimmed
+    off the heap), and the next step's tensor of the same size faults every page back in, each zeroed by the kernel
+    (README: what it cost). A fixed mmap threshold (32 MiB, glibc's largest) serves smaller tensors from the heap, and
+    the trim threshold keeps the heap's free top; the process stays at its peak size."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -85,9 +79,8 @@ def _replace(root: nn.Module, kind: type, make) -> None:
 
 
 class FusedRMSNorm(nn.Module):
-    """RMSNorm as the LayerNorm of [x, -x]: its mean is 0 and its variance mean(x^2), so its first half
-    is x / sqrt(mean(x^2) + eps). LayerNorm is one fused kernel on CPU where F.rms_norm is eight ops;
-    like it, it computes each row alone."""
+    """RMSNorm as the LayerNorm of [x, -x] (mean 0, variance mean(x^2)): its first half is x / sqrt(mean(x^2) + eps).
+    LayerNorm is one fused kernel on CPU where F.rms_norm is eight ops; like it, it computes each row alone."""
 
     def __init__(self, norm: nn.RMSNorm):
         super().__init__()
@@ -99,11 +92,10 @@ class FusedRMSNorm(nn.Module):
 
 
 class TiledLinear(nn.Module):
-    """A linear layer run `tile` rows at a time, the last tile padded with zero rows, so that the matmul
-    library sees one shape whatever the batch. Matmul libraries pick their kernel by shape (a lone row
-    takes a matrix-vector path; oneDNN's bfloat16 changes kernel with the row count), and kernels sum a
-    row's products in different orders: without tiles a row's bits would follow its batch. With one
-    shape there is one kernel, and a blocked matmul computes every row of it the same way."""
+    """A linear layer run `tile` rows at a time, the last tile padded with zero rows: the matmul library sees
+    one shape whatever the batch. Libraries pick their kernel by shape (a lone row takes a matrix-vector path;
+    oneDNN's bfloat16 changes kernel with the row count), and kernels sum in different orders, so without tiles
+    a row's bits would follow its batch. One shape, one kernel: a blocked matmul computes every row the same way."""
 
     def __init__(self, matmul: nn.Module, tile: int):
         super().__init__()
@@ -129,12 +121,10 @@ class PackedLinear(nn.Module):
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A [n, k] weight in 4 bits, w = (q - 8) * scale + zero with one scale and zero per INT4_GROUP inputs:
-    the codes packed as torch's 4-bit CPU matmul takes them ([n, k / 2] uint8) and the scales and zeros
-    ([k / INT4_GROUP, n, 2] in w's dtype). Round-to-nearest, asymmetric, as GGUF's Q4_1: each group's
-    min and max become q = 0 and 15.
-    On weights dequantized from a Q4_1 checkpoint that gives back its own codes, scales and mins
-    (up to rounding the scales to the activations' dtype)."""
+    """A [n, k] weight in 4 bits, w = (q - 8) * scale + zero, one scale and zero per INT4_GROUP inputs: codes packed
+    for torch's 4-bit CPU matmul ([n, k / 2] uint8), scales and zeros as [k / INT4_GROUP, n, 2] in w's dtype.
+    Round-to-nearest, asymmetric, as GGUF's Q4_1 (each group's min and max become q = 0 and 15), so a Q4_1 checkpoint's
+    dequantized weights give back its codes, scales and mins (up to the scales' rounding to the activations' dtype)."""
     n, k = w.shape
     if k % INT4_GROUP:
         raise ValueError(f"int4 quantization needs matmul input sizes divisible by {INT4_GROUP}, got {k}")
@@ -159,29 +149,26 @@ class Int4Linear(nn.Module):
 
 
 class BucketedAttention:
-    """Paged attention for every query token of a step, prefill or decode, each token computed one way.
-    A token at position p reads its sequence's first b keys, b = p + 1 rounded up (key_bucket), those
-    past p masked. The batched matmuls come in two forms, by the token's kind:
-    - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and
-      weighted values ([heads, b] by [b, kv_heads * dim]). Items with the same b run together.
-    - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each
-      KV head its own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]). The
-      positions a step does not bring are rows of zeros. Neighbours share one copy of their keys where a
-      generated token needs its own, so a long prompt takes GROUP times fewer copies and items. Key
-      buckets are multiples of GROUP: every position of a group has the same b.
-    The softmax runs between the matmuls in the cache's dtype (in bfloat16 the scores and the weights are
-    rounded to it around a float32 softmax, where HF's eager attention rounds them).
-    Matmul libraries pick their kernel, and so the order in which they sum, by shape and operand layout,
-    and a blocked matmul computes each row of one shape the same way. Every shape here follows from the
-    token's position and kind, and every item's keys and values are laid out the same way in every path,
-    so a token's result depends on its sequence and position alone: not on its batch, on where its
-    prompt was cut, or on what else its group holds this step. The kind is the sequence's too: positions
-    before the prompt's end are prompt tokens, computed at first or recomputed after a preemption, and
-    the prefix cache keeps prompt blocks only (kv_cache.BlockManager). That is also why a generated
-    token gets its own copy of its sequence's keys (oneDNN would copy a shared, stride-0 batch anyway),
-    and why no batch has one item (float32's batched matmul takes another kernel for a lone item): a
-    lone item runs twice. Copies are made CALL_BYTES at a time.
-    What depends only on the block tables is planned by the first layer's call of a step and reused."""
+    """Paged attention for every query token of a step, prefill or decode, each token computed one way. A token at
+    position p reads its sequence's first b keys, b = p + 1 rounded up (key_bucket), those past p masked. The batched
+    matmuls come in two forms, by the token's kind:
+    - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values
+      ([heads, b] by [b, kv_heads * dim]). Items with the same b run together.
+    - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
+      own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
+      bring are rows of zeros. Neighbours share one copy of their keys, so a long prompt takes GROUP times fewer
+      copies and items. Key buckets are multiples of GROUP: a group's positions share one b.
+    The softmax runs between the matmuls in the cache's dtype (in bfloat16 the scores and the weights are rounded to
+    it around a float32 softmax, where HF's eager attention rounds them).
+    Matmul libraries pick their kernel, and so the order in which they sum, by shape and operand layout, and a blocked
+    matmul computes each row of one shape the same way. Every shape here follows from the token's position and kind,
+    and every item's keys and values are laid out the same way in every path, so a token's result depends on its
+    sequence and position alone: not on its batch, on where its prompt was cut, or on what else its group holds this
+    step. The kind is the sequence's too: positions before the prompt's end are prompt tokens, computed at first or
+    recomputed after a preemption, and the prefix cache keeps prompt blocks only (kv_cache.BlockManager). Hence also a
+    generated token's own copy of its sequence's keys (oneDNN would copy a shared, stride-0 batch anyway), and no
+    batch of one item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are made
+    CALL_BYTES at a time. A step's first layer plans what depends on the block tables alone; the others reuse it."""
 
     def __init__(self):
         self.meta: BatchMeta | None = None  # what the plan below was made for
@@ -193,7 +180,6 @@ class BucketedAttention:
         # a row's position: its sequence's context length, less the rows after it in its piece
         pos = ctx[seq] - lens.cumsum(0)[seq] + torch.arange(len(seq))
         smallest = max(KEY_BUCKET, block_size)
-        bucket = key_bucket(pos + 1, smallest)
         prompt = pos < torch.tensor(meta.prompt_lens, dtype=torch.long)[seq]
         tables = meta.block_tables.cpu().long()
         self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
@@ -214,7 +200,7 @@ class BucketedAttention:
                     yield b, members, members[i:i + per]
 
         generated = (~prompt).nonzero()[:, 0]
-        for b, rows, r in calls(bucket[generated], 2):
+        for b, rows, r in calls(key_bucket(pos + 1, smallest)[generated], 2):
             if len(r) == 1:  # run a lone row with the one before it, or twice
                 r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
             r = generated[r]
@@ -299,10 +285,9 @@ def gather_keys(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """attention_cuda.store_kv, keys and values that are not finite stored as 0. BucketedAttention reads
-    slots past a sequence's end (another sequence's, or left by a block's former owner): it adds -inf to
-    their scores and so weighs their values by exactly 0, which needs a finite score and a finite value.
-    Keys come out of an RMSNorm and a projection, so the model's weights bound the finite ones; a
-    sequence that went NaN or inf must not reach the next owner of its blocks."""
+    """attention_cuda.store_kv, non-finite keys and values stored as 0. BucketedAttention reads slots past a
+    sequence's end (another sequence's, or a block's former owner's) and weighs them by exactly 0 (an added -inf
+    score), which needs finite keys and values. The weights bound the finite keys (an RMSNorm, then a
+    projection); a sequence that went NaN or inf must not reach the next owner of its blocks."""
     finite = (x.nan_to_num(0.0, 0.0, 0.0) for x in (key, value))
     attention_cuda.store_kv(*finite, k_cache, v_cache, slot_mapping)

@@ -21,8 +21,7 @@ class ModelConfig:
     head_dim: int = 64
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # Llama 3.1 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None for plain RoPE.
+    # Llama 3.1 RoPE scaling {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}, or None
     rope_scaling: dict | None = None
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
@@ -72,8 +71,7 @@ class BatchMeta:
     # them. Sequences with one query token come first (the decode path takes them together).
     query_lens: list[int]
     host_context_lens: list[int]
-    # Each sequence's prompt length: cpu.BucketedAttention computes prompt tokens otherwise than generated ones.
-    prompt_lens: list[int]
+    prompt_lens: list[int]  # cpu.BucketedAttention computes prompt tokens otherwise than generated ones
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -96,9 +94,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout: the pairs are (i, i + head_dim/2)). x: [tokens, heads, dim];
-    sin comes with its first half negated (Transformer.rope_sin), so rotating half is a plain roll:
-    x * cos + (-x2, x1) * sin == x * cos + (x2, x1) * (-sin1, sin2)."""
+    """Rotate-half RoPE (HF layout: pairs (i, i + head_dim/2)) on x [tokens, heads, dim]. With sin's first half
+    negated (Transformer.rope_sin), rotating half is a roll: x*cos + (-x2, x1)*sin == x*cos + (x2, x1)*(-sin1, sin2)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
@@ -174,27 +171,25 @@ class Transformer(nn.Module):
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take weights in Hugging Face Llama naming (what weights.py yields), fusing QKV and
         gate/up, onto the rope tables' device. Consumes sd to keep peak memory at one copy."""
-        device = self.rope_cos.device
-
-        def put(module: nn.Module, attr: str, *names: str) -> None:
+        def put(module: nn.Module, *names: str) -> None:
             t = torch.cat([sd.pop(n) for n in names]) if len(names) > 1 else sd.pop(names[0])
-            setattr(module, attr, nn.Parameter(t.to(device), requires_grad=False))
+            module.weight = nn.Parameter(t.to(self.rope_cos.device), requires_grad=False)
 
-        put(self.embed, "weight", "model.embed_tokens.weight")
-        put(self.norm, "weight", "model.norm.weight")
+        put(self.embed, "model.embed_tokens.weight")
+        put(self.norm, "model.norm.weight")
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
             self.lm_head.weight = self.embed.weight
         else:
-            put(self.lm_head, "weight", "lm_head.weight")
+            put(self.lm_head, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            put(layer.qkv, "weight", *(p + f"self_attn.{w}_proj.weight" for w in "qkv"))
-            put(layer.o, "weight", p + "self_attn.o_proj.weight")
-            put(layer.gate_up, "weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            put(layer.down, "weight", p + "mlp.down_proj.weight")
-            put(layer.attn_norm, "weight", p + "input_layernorm.weight")
-            put(layer.mlp_norm, "weight", p + "post_attention_layernorm.weight")
+            put(layer.qkv, *(p + f"self_attn.{w}_proj.weight" for w in "qkv"))
+            put(layer.o, p + "self_attn.o_proj.weight")
+            put(layer.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(layer.down, p + "mlp.down_proj.weight")
+            put(layer.attn_norm, p + "input_layernorm.weight")
+            put(layer.mlp_norm, p + "post_attention_layernorm.weight")
         if sd:
             raise ValueError(f"unexpected weights in checkpoint: {sorted(sd)[:5]}")
 

@@ -1,12 +1,12 @@
-"""Tensor parallelism on torch.distributed: one model split across processes, Megatron's way (model.py's
-`tp_split` says which rows or columns each rank holds). Rank 0 is the engine: it schedules, samples and
-serves, and each step broadcasts the step's batch; every rank then runs the same forward pass on its own
-heads and MLP columns, and one all-reduce per half-layer adds their partial outputs. One GPU per rank with
-NCCL, or CPU processes with gloo. The engine spawns its workers itself; under torchrun (several machines)
-every process runs the same command, rank 0 serves, and the others call runner.run_worker."""
+"""Tensor parallelism on torch.distributed: one model split across processes, Megatron's way (model.tp_split says
+which rows or columns each rank holds). Rank 0, the engine, broadcasts each step's batch; every rank runs the same
+forward pass on its own heads and MLP columns, and one all-reduce per half-layer adds their partial outputs. One GPU
+per rank with NCCL, or CPU processes with gloo. The engine spawns its workers; under torchrun (several machines) every
+process runs the same command, rank 0 serves, and the others call runner.run_worker."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import os
@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-
 
 # How long a rank waits for the others to join, and then within a step for the others to reach each
 # all-reduce. Waiting for the next step has no limit (the control group's): the server may idle for days.
@@ -37,9 +35,8 @@ def launched_by_torchrun() -> bool:
 
 
 class TensorParallel:
-    """This process's place in the group: rank, size, its device, and the two process groups. The model's
-    all-reduces run on the device's backend (NCCL or gloo); the step broadcasts on a gloo group of their
-    own, on the host, with no timeout: a worker waits for the next step as long as the server idles."""
+    """This process's rank, size, device and two process groups: the model's all-reduces on the device's
+    backend (NCCL or gloo), the step broadcasts on gloo, on the host, with no timeout (see STARTUP)."""
 
     def __init__(self, size: int, device_type: str, threads: int | None, rank: int = 0, address: str | None = None):
         """Checks what can be checked before loading; the group forms in start()."""
@@ -69,9 +66,8 @@ class TensorParallel:
         self.started = self.closed = False
 
     def start(self, spawn: tuple = ()) -> None:
-        """Form the group. Rank 0 outside torchrun first spawns ranks 1..size-1, each running
-        spawn[0](*spawn[1:], rank, address). Joining waits at most STARTUP for every rank: a spawned worker
-        joins right after its imports, so a longer wait means it died."""
+        """Form the group; rank 0 outside torchrun first spawns ranks 1..size-1 running spawn[0](*spawn[1:], rank,
+        address). Joining waits at most STARTUP: a spawned worker joins right after its imports, or it has died."""
         address = self.address
         if self.rank > 0:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's: it tells the others to stop
@@ -98,9 +94,8 @@ class TensorParallel:
         atexit.register(self.close)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x, with the same bits whatever the batch: for two ranks the sum is one
-        addition (commutative, so any algorithm gives the same bits); with more, NCCL and gloo choose the order
-        of additions by message size, so the parts are gathered and added in rank order here."""
+        """The sum of every rank's x, the same bits whatever the batch: for two ranks one addition (commutative:
+        any algorithm, same bits); with more, NCCL and gloo order additions by size, so here parts add in rank order."""
         if self.size == 2:
             dist.all_reduce(x, group=self.group)
             return x
@@ -125,24 +120,20 @@ class TensorParallel:
 
     def fail(self, error: BaseException) -> WorkerFailure:
         """What rank 0 raises once a step failed: the ranks are out of step, so the workers are ended."""
-        if self.failure is None:
-            dead = self._dead(timeout=1.0)  # a dead worker is the likely cause: name it
-            self.failure = dead or f"tensor parallelism failed ({type(error).__name__}: {error})"
+        if self.failure is None:  # a dead worker is the likely cause: name it
+            self.failure = self._dead(timeout=1.0) or f"tensor parallelism failed ({type(error).__name__}: {error})"
         self._end_workers()
         return WorkerFailure(self.failure)
 
     def close(self) -> None:
         """Rank 0: tell the workers to stop and wait for them (ending any that do not); every rank: leave the
         group. Called by Engine.close and at exit."""
-        if self.closed or not self.started:
-            self.closed = True
+        closing, self.closed = self.started and not self.closed, True
+        if not closing:  # closed already, or never started
             return
-        self.closed = True
         if self.rank == 0 and self.failure is None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a worker is already gone: ended below
                 self.broadcast(None)
-            except RuntimeError:
-                pass  # a worker is already gone: ended below
         for w in self.workers:
             w.join(timeout=10)
         self._end_workers()
@@ -189,8 +180,7 @@ def rank_0_gone(timeout: float | None = 1.0) -> bool:
 
 
 def _exit_with_rank_0() -> None:
-    """A spawned worker's watch on rank 0. Rank 0 may go without a word (killed, or exiting in the middle of
-    loading, which torch cannot interrupt), and then nothing tells the worker to stop: it ends itself, quietly,
-    instead of waiting out STARTUP in a rendezvous or failing its next collective."""
+    """A spawned worker's watch on rank 0, which may go without a word (killed, or exiting mid-load, which torch
+    cannot interrupt): it ends itself quietly, not waiting out STARTUP in a rendezvous or failing a collective."""
     rank_0_gone(timeout=None)
     os._exit(1)

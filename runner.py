@@ -16,6 +16,8 @@ from kv_cache import KVCache, KVShape, slots
 from model import BatchMeta, ModelConfig, Transformer
 from sequence import SamplingParams, Sequence
 
+TOP_P_HEAD = 1024  # on CPU, the likeliest tokens _draw sorts first for top-p
+
 
 @dataclass
 class TokenLogprob:
@@ -26,8 +28,7 @@ class TokenLogprob:
 
 @dataclass
 class StepBatch:
-    """One step's tokens as host lists, sequence after sequence: what `tensors` sends to the device, and what
-    rank 0 of a tensor-parallel model broadcasts to the other ranks."""
+    """One step's tokens as host lists: what `tensors` sends to the device and rank 0 broadcasts to the others."""
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
@@ -55,8 +56,7 @@ class ModelRunner:
             if c.tensor_parallel_size > 1 or parallel.launched_by_torchrun() else None
         self.rank, tp_size = (self.tp.rank, self.tp.size) if self.tp else (0, 1)
         self.device = self.tp.device if self.tp else device
-        on_cpu = self.device.type == "cpu"
-        default = torch.float32 if on_cpu and not cpu.has_bf16_units() else torch.bfloat16
+        default = torch.float32 if self.device.type == "cpu" and not cpu.has_bf16_units() else torch.bfloat16
         self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
         if self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and graph captures use the current device's stream
@@ -134,9 +134,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and not c.enforce_eager else None
 
     def _profile_steps(self) -> list[list[tuple[Sequence, int]]]:
-        """The steps whose activations peak highest: a prefill chunk of the whole token budget at the end
-        of a max_model_len context (its attention spans every key), and max_num_seqs decodes at that
-        context. Their block tables all name block 0: the values computed do not matter."""
+        """The steps whose activations peak highest: a prefill chunk of the whole token budget ending a max_model_len
+        context (attending to every key), and max_num_seqs decodes there; all on block 0 (values do not matter)."""
         c, length = self.config, self.max_model_len
         ids, table = [0] * length, [0] * -(-length // c.block_size)  # shared: only their lengths are read
 
@@ -146,8 +145,7 @@ class ModelRunner:
         return [[seq(min(c.max_num_batched_tokens, length))], [seq(1) for _ in range(c.max_num_seqs)]]
 
     def _profile_peak_memory(self, kv: KVShape) -> int:
-        """GPU bytes the worst step allocates beyond what is in use before it (weights): what the KV pool
-        must leave free."""
+        """GPU bytes the worst step allocates beyond those in use before (weights): what the KV pool must leave free."""
         dev = self.device
         scratch = KVCache(kv, 1, self.config.block_size, self.dtype, dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -191,21 +189,18 @@ class ModelRunner:
                          [n for _, n in scheduled], [seq.num_prompt_tokens for seq, _ in scheduled]), sampled
 
     def tensors(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
-        """Input ids, positions and metadata on the device, sent in pinned buffers: no copy waits on it.
-        Only rank 0 samples, so only its LM head runs."""
-        def send_(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return send(data, dtype, self.device)
-        i32, i64 = torch.int32, torch.int64
-        meta = BatchMeta(send_(b.slot_mapping, i64), send_(b.block_tables, i32), send_(b.context_lens, i32),
-                         send_(b.query_start_loc, i32), send_(b.sample_rows if self.rank == 0 else [], i64),
+        """Input ids, positions and metadata on the device (via send); only rank 0 samples, so only its LM head runs."""
+        i32, i64, dev = torch.int32, torch.int64, self.device
+        meta = BatchMeta(send(b.slot_mapping, i64, dev), send(b.block_tables, i32, dev),
+                         send(b.context_lens, i32, dev), send(b.query_start_loc, i32, dev),
+                         send(b.sample_rows if self.rank == 0 else [], i64, dev),
                          max(b.query_lens), max(b.context_lens), b.query_lens, b.context_lens, b.prompt_lens)
-        return send_(b.input_ids, i64), send_(b.positions, i64), meta
+        return send(b.input_ids, i64, dev), send(b.positions, i64, dev), meta
 
     def run(self, scheduled: list[tuple[Sequence, int]], swap_out: list[tuple[int, int]] = (),
             swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None]]:
-        """The step's swaps, then one forward pass over the scheduled sequences, writing their new K/V; the
-        next token of each sampled one, or why its sampling failed. Under tensor parallelism every rank does
-        the same with the batch broadcast here; a failure there is fatal (WorkerFailure)."""
+        """The step's swaps, then a forward pass writing the scheduled sequences' new K/V: each sampled one's
+        next token or why sampling failed. Every rank runs the step broadcast here; failing is fatal (WorkerFailure)."""
         batch, sampled = self.batch(scheduled) if scheduled else (None, [])
         try:
             if self.tp:
@@ -219,8 +214,7 @@ class ModelRunner:
 
     def execute(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                 batch: StepBatch | None) -> torch.Tensor | None:
-        """Every rank's part of a step: copy the swapped blocks, then run the forward pass; the sampled rows'
-        logits (none on ranks other than 0)."""
+        """Every rank's part of a step: the swaps, then the forward pass; the sampled rows' logits (none off rank 0)."""
         self.kv_cache.swap(swap_out, swap_in)
         if batch is None:
             return None
@@ -233,9 +227,8 @@ class ModelRunner:
 
 def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, rank: int = 0,
                address: str | None = None) -> None:
-    """A tensor-parallel rank other than 0 (spawned by rank 0, or started by torchrun): load this rank's part,
-    then run each step rank 0 broadcasts until it says stop (None) or goes away. A failure ends the worker
-    with one line (rank 0 tells its users), or with none when rank 0 itself has gone."""
+    """A tensor-parallel rank other than 0: load its part, then run each step rank 0 broadcasts until it says stop
+    (None) or goes away. A failure ends the worker with one line (rank 0 tells its users), or none if rank 0 is gone."""
     try:
         runner = ModelRunner(config, rank, address, model_config)
         weights.read_gguf.cache_clear()  # the parsed header (vocabulary included) is the tokenizer's, on rank 0
@@ -251,18 +244,16 @@ def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, ra
 
 
 def kv_cache_bytes(total: int, free: int, peak: int, utilization: float) -> int:
-    """The KV pool's share of a GPU: what gpu_memory_utilization allows of its total memory, less what is
-    in use already (our weights, other processes' memory) and the worst step's activations (peak)."""
+    """The KV pool's bytes: gpu_memory_utilization of total, less what is in use (weights, other processes) and peak."""
     return int(total * utilization) - (total - free) - peak
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None],
                                                                list[str | None]]:
-    """Next token per sequence: plain greedy rows by one batched max (the first maximal index, as
-    argmax; widening bfloat16 first would be exact, so it changes no order); the rest each on its own
-    row in float32, drawn from its own generator so that a seeded request draws the same numbers
-    whatever batch it is in. Everything stays on the device until one transfer at the end. A row that
-    fails (NaN logits, say) fails its own sequence alone: the third list says why, per sequence."""
+    """Next token per sequence: plain greedy rows by one batched max (the first maximal index, as argmax;
+    widening bfloat16 first would be exact, so it changes no order); the rest each on its own row in float32,
+    drawn from its own generator so that a seeded request draws the same numbers whatever batch it is in. A row
+    that fails (NaN logits, say) fails its own sequence alone: the third list says why, per sequence."""
     best = logits.max(dim=-1)  # NaN anywhere in a row makes its max NaN
     tokens = best.indices
     logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> chosen, top ids, top values
@@ -327,9 +318,6 @@ def send(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
-TOP_P_HEAD = 1024  # see _draw
-
-
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """A token drawn from softmax(row) after top-k, min-p and top-p. NaN becomes 0 first: a device
     cannot raise for one row (a CUDA assert would end every sequence), and sample() flags the row."""
@@ -353,9 +341,8 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
         drop = head.cumsum(-1) - head >= p.top_p
         drop[0] = False
         probs, ids = head.masked_fill(drop, 0), order if ids is None else ids[order]
-    # Inverse CDF: one uniform number u in (0, 1] per draw, and the first token whose cumulative mass
-    # reaches u * total. A token of mass 0 adds nothing to the sum, so it is never the first to reach it.
-    # (torch.multinomial would draw a random number per vocabulary entry.)
+    # Inverse CDF, one uniform u in (0, 1] per draw (torch.multinomial draws one per vocabulary entry): the
+    # first token whose cumulative mass reaches u * total, never one of mass 0 (it adds nothing to the sum).
     cdf = probs.double().cumsum(0)
     u = 1 - torch.rand((), dtype=torch.float64, device=row.device, generator=generator)
     token = torch.searchsorted(cdf, u * cdf[-1])
@@ -363,10 +350,9 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
 
 
 class DecodeGraphs:
-    """CUDA graphs for decode steps, captured once per batch size of a ladder: a step of n sequences
-    replays the smallest graph with room for n, padded with sequences that read nothing (context 0)
-    and write nothing (slot -1). Replaying skips the per-kernel launch cost that dominates small
-    decode batches. Every tensor the graph reads lives in the static buffers below."""
+    """CUDA graphs for decode steps, which skip the per-kernel launch cost that dominates small batches: one per
+    batch size of a ladder, a step of n sequences replaying the smallest with room for n, padded with sequences
+    that read nothing (context 0) and write nothing (slot -1). Every tensor a graph reads is a static buffer below."""
 
     def __init__(self, runner: ModelRunner):
         c, dev = runner.config, runner.device

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K/V ([num_tokens, num_kv_heads, head_dim]) into the paged cache
-    ([num_blocks, block_size, num_kv_heads, head_dim]) at its slot = block_id * block_size + offset.
-    Slot -1 marks padding and is skipped."""
+    """Write each new token's K/V ([num_tokens, kv_heads, dim]) into the paged cache ([num_blocks, block_size,
+    kv_heads, dim]) at its slot = block_id * block_size + offset; slot -1 (padding) is skipped."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -30,17 +29,15 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
-    """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to
-    its sequence's first context_lens[i] cached tokens (its own included), and to nothing else. Query
-    head h reads KV head h // (num_heads / num_kv_heads) (grouped-query attention). Computed sequence by
-    sequence in float32 (float64 stays float64); returns query's shape and dtype (zeros for context 0).
-    max_context_len (at least the longest context) serves the kernel's signature; this needs none."""
+    """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to its
+    sequence's first context_lens[i] cached tokens (its own included) alone; query head h reads KV head
+    h // (num_heads / num_kv_heads) (grouped-query attention). In float32 (float64 stays float64), sequence by
+    sequence; returns query's shape and dtype (zeros for context 0). max_context_len: for the kernel's signature."""
     group = query.shape[1] // k_cache.shape[2]
     acc = torch.promote_types(query.dtype, torch.float32)
     out = torch.empty_like(query)
     for i, n in enumerate(context_lens.tolist()):
-        k = gather_kv(k_cache, block_tables[i], n).to(acc).repeat_interleave(group, dim=1)  # [n, heads, dim]
-        v = gather_kv(v_cache, block_tables[i], n).to(acc).repeat_interleave(group, dim=1)
+        k, v = (gather_kv(c, block_tables[i], n).to(acc).repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
         scores = torch.einsum("hd,nhd->hn", query[i].to(acc), k) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(query.dtype)
     return out
@@ -50,11 +47,10 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: list[int],
                            host_context_lens: list[int], scale: float,
                            decode: Callable = paged_attention) -> torch.Tensor:
-    """Causal attention for a flattened batch of sequences. Sequence i owns the next query_lens[i] rows
-    of query ([total_tokens, num_heads, head_dim]); they are the last of its context_lens[i] tokens, so
-    row j sits at position context_len - q_len + j and sees keys 0..that position, through the
-    sequence's block table and nothing else. The leading one-token sequences go to `decode` together
-    (the CUDA kernel on GPU), the rest to SDPA. query_lens and host_context_lens are on the host."""
+    """Causal attention for a flattened batch of sequences. Sequence i owns the next query_lens[i] rows of query
+    ([total_tokens, num_heads, head_dim]), the last of its context_lens[i] tokens: row j sits at position
+    context_len - q_len + j and sees keys 0..that position of its sequence alone. The leading one-token sequences
+    go to `decode` together (the CUDA kernel on GPU), the rest to SDPA. query_lens, host_context_lens: host lists."""
     ones = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
     out = torch.empty_like(query)
     if ones:
@@ -68,7 +64,7 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         q = query[s:s + n].unsqueeze(0).transpose(1, 2)
         if n == ctx:  # a whole prompt in one chunk: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # a later chunk: query j sits at position ctx - n + j and sees keys up to it
+        else:  # a later chunk (positions ctx - n .. ctx - 1)
             pos = torch.arange(ctx - n, ctx, device=query.device)
             mask = torch.arange(ctx, device=query.device)[None, :] <= pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -84,10 +80,9 @@ _ext = None
 
 
 def _kernels():
-    """The compiled kernels, as torch.ops.laneserve: the library setup.py built ahead of time if there is
-    one, else built on first use with ninja into torch's extension cache (TORCH_EXTENSIONS_DIR, default
-    ~/.cache/torch_extensions) for the GPUs present (or TORCH_CUDA_ARCH_LIST); later runs reuse it
-    until the sources or flags change."""
+    """The compiled kernels, as torch.ops.laneserve: setup.py's prebuilt library if there is one, else built on
+    first use with ninja into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for
+    the GPUs present (or TORCH_CUDA_ARCH_LIST), and reused until the sources or flags change."""
     global _ext
     if _ext is None:
         here = os.path.dirname(os.path.abspath(__file__))
@@ -115,12 +110,11 @@ def _kernels():
 def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          max_context_len: int | None = None) -> torch.Tensor:
-    """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new
-    contiguous tensor). head_dim 64 or 128, block_size 8, 16 or 32, float32/float16/bfloat16,
-    block_tables and context_lens int32 on the same GPU; errors otherwise. Runs on the current stream.
-    max_context_len: the longest context_lens entry or more, from the host (so no device sync); it
-    bounds the fp32 scratch. None: all that block_tables addresses. Each lane's result depends on its
-    own context alone."""
+    """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new contiguous tensor).
+    head_dim 64 or 128, block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and context_lens int32
+    on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens
+    entry or more, from the host (so no device sync); it bounds the fp32 scratch. None: all that block_tables
+    addresses. Each lane's result depends on its own context alone."""
     if max_context_len is None:  # 0 for shapes the binding rejects, so that its message is the one raised
         shaped = block_tables.dim() == 2 and k_cache.dim() == 4
         max_context_len = block_tables.shape[1] * k_cache.shape[1] if shaped else 0
