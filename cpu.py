@@ -16,7 +16,7 @@ INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blo
 ROW_TILE = 64   # the most rows per matmul call: see row_tile
 KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
 GROUP = 64  # prompt positions per attention item: see BucketedAttention (KEY_BUCKET is a multiple)
-CALL_BYTES = 4 << 20  # the keys one of BucketedAttention's batched matmuls reads, at most (as many values)
+CALL_BYTES = 8 << 20  # the keys one of BucketedAttention's batched matmuls reads, at most (as many values)
 
 
 def _cpu_flags() -> set[str]:
