@@ -104,7 +104,8 @@ class Engine:
         seq.generator = torch.Generator(self.device).manual_seed(
             params.seed if params.seed is not None else self.rng.getrandbits(63))
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
-        seq.stop_ids = frozenset(params.stop_token_ids) | (set() if params.ignore_eos else self.tokenizer.stop_token_ids)
+        eos = set() if params.ignore_eos else self.tokenizer.stop_token_ids
+        seq.stop_ids = frozenset(params.stop_token_ids) | eos
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id

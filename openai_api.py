@@ -237,6 +237,6 @@ def openapi(version: str) -> dict:
                   "properties": {k: {"type": t} for k, t in FIELDS[path].items()}}
         return {"post": {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
                          "responses": ok}}
+    gets = ("/health", "/metrics", "/version", "/v1/models")
     return {"openapi": "3.1.0", "info": {"title": "laneserve", "version": version},
-            "paths": {**{path: post(path) for path in FIELDS},
-                      **{path: {"get": {"responses": ok}} for path in ("/health", "/metrics", "/version", "/v1/models")}}}
+            "paths": {**{path: post(path) for path in FIELDS}, **{path: {"get": {"responses": ok}} for path in gets}}}
