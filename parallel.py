@@ -128,9 +128,10 @@ class TensorParallel:
     def close(self) -> None:
         """Rank 0: tell the workers to stop and wait for them (ending any that do not); every rank: leave the
         group. Called by Engine.close and at exit."""
-        closing, self.closed = self.started and not self.closed, True
-        if not closing:  # closed already, or never started
+        if self.closed or not self.started:
+            self.closed = True
             return
+        self.closed = True
         if self.rank == 0 and self.failure is None:
             with contextlib.suppress(RuntimeError):  # a worker is already gone: ended below
                 self.broadcast(None)

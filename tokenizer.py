@@ -37,8 +37,8 @@ CHATML_TEMPLATE = (
 # GPT-2's bytes_to_unicode, read back: byte-level vocabularies spell each byte as a printable character, itself
 # if it is printable, else one from U+0100 on, in byte order.
 _PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-_UNSPELL = {chr(b): b for b in _PRINTABLE} | {
-    chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
+_UNPRINTABLE = [b for b in range(256) if b not in _PRINTABLE]
+_UNSPELL = {chr(b): b for b in _PRINTABLE} | {chr(256 + i): b for i, b in enumerate(_UNPRINTABLE)}
 
 
 def _token_bytes(token: str) -> bytes:
