@@ -564,7 +564,7 @@ class Handler(BaseHTTPRequestHandler):
                     self.log_info["ttft"] = time.monotonic() - job.submitted
                 if stream and chat and not before:  # OpenAI opens each choice with its role
                     self._event(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]))
+                                        "logprobs": None, "finish_reason": None, "stop_reason": None}]))
                 if stream and echo and not before:
                     self._event(chunk([openai_api.choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
