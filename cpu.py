@@ -262,7 +262,7 @@ class BucketedAttention:
                context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
         """attention_cuda.paged_attention's signature and result."""
         lens = context_lens.tolist()
-        meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), torch.empty(0), 1,
+        meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), 1,
                          max(lens), [1] * len(lens), lens, [0] * len(lens))
         return self(query, k_cache, v_cache, meta, scale)
 

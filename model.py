@@ -58,12 +58,11 @@ def tp_check(c: ModelConfig, size: int) -> None:
 
 @dataclass
 class BatchMeta:
-    """Where each flattened token of one step lives. Sequence i owns token rows
-    query_start_loc[i]:query_start_loc[i+1]; context_lens[i] counts its cached tokens after this step."""
+    """Where each flattened token of one step lives. Sequence i owns the next query_lens[i] token rows;
+    context_lens[i] counts its cached tokens after this step."""
     slot_mapping: torch.Tensor     # [num_tokens] int64, physical KV slot per new token, -1 = padding
     block_tables: torch.Tensor     # [num_seqs, max_blocks] int32, unused entries 0
     context_lens: torch.Tensor     # [num_seqs] int32
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     sample_rows: torch.Tensor      # [num_sampled] int64, rows whose logits are needed this step
     max_query_len: int             # 1: every sequence decodes one token (graph-capturable)
     max_context_len: int           # bounds the decode kernel's scratch

@@ -34,7 +34,6 @@ class StepBatch:
     slot_mapping: list[int]
     block_tables: list[list[int]]  # padded with 0 to the longest
     context_lens: list[int]
-    query_start_loc: list[int]
     sample_rows: list[int]
     query_lens: list[int]
     prompt_lens: list[int]
@@ -170,7 +169,7 @@ class ModelRunner:
         """The step's tokens flattened, sequence after sequence (one-token pieces first), and the sequences
         sampled this step (those whose piece reaches their last token)."""
         scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
-        input_ids, positions, slot_mapping, block_tables, context_lens, starts = [], [], [], [], [], [0]
+        input_ids, positions, slot_mapping, block_tables, context_lens = [], [], [], [], []
         sample_rows, sampled = [], []
         for seq, n in scheduled:
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -179,21 +178,19 @@ class ModelRunner:
             slot_mapping += slots(seq.block_table, self.config.block_size, begin, end)
             block_tables.append(seq.block_table)
             context_lens.append(end)
-            starts.append(starts[-1] + n)
             if end == seq.num_tokens:
-                sample_rows.append(starts[-1] - 1)
+                sample_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
-        return StepBatch(input_ids, positions, slot_mapping, tables, context_lens, starts, sample_rows,
+        return StepBatch(input_ids, positions, slot_mapping, tables, context_lens, sample_rows,
                          [n for _, n in scheduled], [seq.num_prompt_tokens for seq, _ in scheduled]), sampled
 
     def tensors(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         """Input ids, positions and metadata on the device (via send); only rank 0 samples, so only its LM head runs."""
         i32, i64, dev = torch.int32, torch.int64, self.device
         meta = BatchMeta(send(b.slot_mapping, i64, dev), send(b.block_tables, i32, dev),
-                         send(b.context_lens, i32, dev), send(b.query_start_loc, i32, dev),
-                         send(b.sample_rows if self.rank == 0 else [], i64, dev),
+                         send(b.context_lens, i32, dev), send(b.sample_rows if self.rank == 0 else [], i64, dev),
                          max(b.query_lens), max(b.context_lens), b.query_lens, b.context_lens, b.prompt_lens)
         return send(b.input_ids, i64, dev), send(b.positions, i64, dev), meta
 
@@ -364,7 +361,6 @@ class DecodeGraphs:
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
             block_tables=torch.zeros(n, -(-runner.max_model_len // c.block_size), dtype=torch.int32, device=dev),
             context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
             sample_rows=torch.arange(n, device=dev), max_query_len=1, max_context_len=runner.max_model_len,
             query_lens=[1] * n, host_context_lens=[], prompt_lens=[])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -372,8 +368,7 @@ class DecodeGraphs:
         m = self.meta
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
             meta = BatchMeta(m.slot_mapping[:size], m.block_tables[:size], m.context_lens[:size],
-                             m.query_start_loc[:size + 1], m.sample_rows[:size], 1, m.max_context_len, [1] * size,
-                             [], [])
+                             m.sample_rows[:size], 1, m.max_context_len, [1] * size, [], [])
             args = (self.ids[:size], self.pos[:size], meta, runner.kv_cache.layers)
             runner.model(*args)  # warm up: lazy initialisation must not happen during capture
             graph = torch.cuda.CUDAGraph()

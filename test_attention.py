@@ -114,7 +114,7 @@ def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale, prompt_le
     orders them; prompt_lens: each lane's (by default, every token a generated one)."""
     lens = [n for _, n in lanes]
     ctx = [c for c, _ in lanes]
-    meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32), torch.empty(0),
+    meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32),
                      torch.empty(0), max(lens), max(ctx), lens, ctx, prompt_lens or [0] * len(lanes))
     return cpu.BucketedAttention()(query, k_cache, v_cache, meta, scale)
 

@@ -360,7 +360,7 @@ def our_logits(path, ids: list[list[int]]) -> torch.Tensor:
         starts.append(starts[-1] + len(x))
     width = max(map(len, tables))
     meta = BatchMeta(torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-                     torch.tensor([len(x) for x in ids], dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                     torch.tensor([len(x) for x in ids], dtype=torch.int32),
                      torch.tensor(starts[1:]) - 1, max(map(len, ids)), max(map(len, ids)), list(map(len, ids)),
                      list(map(len, ids)), list(map(len, ids)))
     return model(torch.tensor(sum(ids, [])), torch.cat([torch.arange(len(x)) for x in ids]), meta, cache.layers)
