@@ -78,7 +78,7 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Start a waiting sequence: share what the prefix cache holds, then compute the first cell of
+        """Start a waiting sequence: share what the prefix cache holds, then compute the first piece of
         the rest. False (and nothing held) if it does not fit."""
         cached = self.blocks.match_prefix(seq.block_table, seq.token_ids[:seq.num_prompt_tokens])
         n = self._cut(seq, cached)

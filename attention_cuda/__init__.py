@@ -114,7 +114,7 @@ def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     head_dim 64 or 128, block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and context_lens int32
     on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens
     entry or more, from the host (so no device sync); it bounds the fp32 scratch. None: all that block_tables
-    addresses. Each lane's result depends on its own context alone."""
+    addresses. Each sequence's result depends on its own context alone."""
     if max_context_len is None:  # 0 for shapes the binding rejects, so that its message is the one raised
         shaped = block_tables.dim() == 2 and k_cache.dim() == 4
         max_context_len = block_tables.shape[1] * k_cache.shape[1] if shaped else 0
