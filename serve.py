@@ -605,7 +605,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def _parser() -> ArgumentParser:
     p = ArgumentParser(prog="serve.py", description="OpenAI-compatible server: POST /v1/chat/completions, "
                        "/v1/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics (Prometheus), "
-                       "/version.")
+                       "/version, /openapi.json, and / (a live page of the engine's steps).")
     a = p.add_argument
     a("--host", default="127.0.0.1",
       help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface, :: or ::1 for IPv6)")

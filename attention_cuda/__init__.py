@@ -1,5 +1,5 @@
 """Paged attention: the pure-PyTorch reference (the test oracle; prefill on every device) and our CUDA
-kernel for decode. cpu.py holds a faster CPU decode, tested against the reference."""
+kernel for decode. cpu.py holds a faster CPU form of both, tested against the reference."""
 import glob
 import os
 from typing import Callable
