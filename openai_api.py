@@ -108,9 +108,12 @@ def completion_prompts(body: dict, engine: Engine) -> tuple[list[str | list[int]
     if any(not 0 <= t < vocab for p in prompts if not isinstance(p, str) for t in p):
         raise ApiError(400, f"token ids must be in [0, {vocab})", "prompt")
     try:
-        return prompts, [tok.encode(p, add_bos=tok.add_bos_token) if isinstance(p, str) else p for p in prompts]
+        ids = [tok.encode(p, add_bos=tok.add_bos_token) if isinstance(p, str) else p for p in prompts]
     except Exception as e:  # text tiktoken refuses, such as lone surrogates
         raise ApiError(400, f"cannot tokenize the prompt: {e}", "prompt") from e
+    if not all(ids):
+        raise ApiError(400, "a prompt is empty", "prompt")
+    return prompts, ids
 
 
 def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: int) -> SamplingParams:
@@ -147,11 +150,12 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
         logprobs = get(body, "logprobs", int)
     seed = get(body, "seed", int)
     bias, stop_ids = get(body, "logit_bias", dict, {}), get(body, "stop_token_ids", list, [])
-    if not all(k.isdecimal() and len(k) <= 10 and type(v) in (int, float) and math.isfinite(v)
+    vocab = engine.model_config.vocab_size
+    if not all(k.isdecimal() and len(k) <= 10 and int(k) < vocab and type(v) in (int, float) and math.isfinite(v)
                for k, v in bias.items()):
-        raise ApiError(400, "'logit_bias' must map token ids to numbers", "logit_bias")
-    if not all(type(t) is int for t in stop_ids):
-        raise ApiError(400, "'stop_token_ids' must be an array of token ids", "stop_token_ids")
+        raise ApiError(400, f"'logit_bias' must map token ids in [0, {vocab}) to numbers", "logit_bias")
+    if not all(type(t) is int and 0 <= t < vocab for t in stop_ids):
+        raise ApiError(400, f"'stop_token_ids' must be an array of token ids in [0, {vocab})", "stop_token_ids")
     try:
         return SamplingParams(
             temperature=get(body, "temperature", float, d.get("temperature", 1.0)),
@@ -164,7 +168,10 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
             repetition_penalty=get(body, "repetition_penalty", float, d.get("repetition_penalty", 1.0)),
             logit_bias=bias, skip_special_tokens=get(body, "skip_special_tokens", bool, True))
     except ValueError as e:  # the messages read "<field> must be ..."
-        raise ApiError(400, str(e), str(e).split()[0]) from e
+        param = str(e).split()[0]
+        if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
+            param = "max_completion_tokens"  # what the request named (it takes precedence)
+        raise ApiError(400, str(e), param) from e
 
 
 def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) -> dict | None:
@@ -203,7 +210,7 @@ def choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: lis
 def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
     """A generation request's n, stream, echo and whether a usage chunk ends its stream, each checked; so are
     the model it names (one of names) and the fields supported in part (response_format, echo's logprobs)."""
-    if (kind := get(body, "response_format", dict, {}).get("type", "text")) != "text":
+    if (kind := get(body, "response_format", dict, {}).get("type") or "text") != "text":
         raise ApiError(400, f"response_format {kind!r} is not supported, only 'text'", "response_format")
     echo = get(body, "echo", bool, False)
     if echo and body.get("logprobs") is not None:

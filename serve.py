@@ -92,6 +92,10 @@ class HTTPServer(ThreadingHTTPServer):
         self.app = app
         super().__init__(address, handler)
 
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client gone mid-request is routine: no traceback
+            super().handle_error(request, client_address)
+
 
 class Server:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -235,7 +239,9 @@ class Server:
 
     def _add(self, job: Submit, streams: dict[str, Stream]) -> ApiError | None:
         """Adds all of job's sequences and returns None, or adds none and returns why."""
-        waiting = self.engine.stats()["num_waiting"]
+        s = self.engine.stats()
+        # Waiting beyond the batch's free places: the next step admits the others (if KV allows).
+        waiting = max(0, s["num_waiting"] + s["num_swapped"] - (self.config.max_num_seqs - s["num_running"]))
         if len(job.seqs) > self.max_queue:  # never accepted: a 429 would have the client retry
             return ApiError(400, f"this request has {len(job.seqs)} sequences (prompts times n), more "
                                  f"than the server queues (--max-queue {self.max_queue})")
@@ -304,8 +310,9 @@ class Handler(BaseHTTPRequestHandler):
                              ("Content-Length", "0")])
             return
         method = "GET" if self.command == "HEAD" else self.command  # HEAD: GET's headers, no body
-        if method not in ("GET", "POST"):
-            self.close_connection = True  # a body it may carry stays unread
+        if method != "POST" and (method != "GET" or "Content-Length" in self.headers
+                                 or "Transfer-Encoding" in self.headers):
+            self.close_connection = True  # a body it may carry stays unread: it must not pass for the next request
         try:
             try:
                 body = self._read_body() if method == "POST" else b""
@@ -349,6 +356,8 @@ class Handler(BaseHTTPRequestHandler):
         coding = self.headers.get("Transfer-Encoding")
         chunked = coding is not None and coding.strip().lower() == "chunked" and "Content-Length" not in self.headers
         length = int(n) if (n := self.headers.get("Content-Length", "")).isdecimal() else -1
+        if len(set(self.headers.get_all("Content-Length", []))) > 1:  # which one frames the body? (smuggling)
+            raise ApiError(400, "conflicting Content-Length headers")
         if not chunked and (not 0 <= length <= self.app.max_body or coding is not None):
             if coding is not None:  # another coding, or both headers (a request-smuggling pattern)
                 raise ApiError(501 if "Content-Length" not in self.headers else 400,
@@ -439,14 +448,17 @@ class Handler(BaseHTTPRequestHandler):
                     self._event(text)
                 if not texts:
                     self._chunk(b": idle\n\n")
-            self.wfile.write(b"0\r\n\r\n")  # the server is stopping: end the chunked body
+            self._chunk(b"")  # the server is stopping
         finally:
             with events.cond:
                 events.watchers -= 1
 
     def _open_stream(self) -> None:
+        # HTTP/1.0 has no chunked coding: there the stream ends when the connection closes.
+        self.chunked = self.request_version != "HTTP/1.0"
+        self.close_connection = self.close_connection or not self.chunked
         self._head(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                         ("Transfer-Encoding", "chunked")])
+                         ("Transfer-Encoding", "chunked") if self.chunked else ("Connection", "close")])
 
     def _health(self) -> None:
         self._engine()
@@ -528,7 +540,8 @@ class Handler(BaseHTTPRequestHandler):
         self._chunk(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())
 
     def _chunk(self, data: bytes) -> None:
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        """A piece of a stream's body; b"" ends it."""
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n" if self.chunked else data)
 
     def _generate(self, raw: bytes, chat: bool) -> None:
         engine, body = self._engine(), openai_api.parse_body(raw, self.route)
@@ -594,7 +607,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.app.submit(unfinished)  # the client left or the request failed: free its KV now
         if streaming:
             self._event("[DONE]")
-            self.wfile.write(b"0\r\n\r\n")
+            self._chunk(b"")
 
 
 class ArgumentParser(argparse.ArgumentParser):

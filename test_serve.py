@@ -313,6 +313,9 @@ VALID = {"model": "smollm2-135m", "messages": CHAT, "max_tokens": 2}
     ({**VALID, "stream": True, "stream_options": "x"}, 400, "stream_options"),
     ({**VALID, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
     ({**VALID, "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
+    ({**VALID, "logit_bias": {"49152": 1}}, 400, "logit_bias"),  # past the vocabulary
+    ({**VALID, "stop_token_ids": [49152]}, 400, "stop_token_ids"),
+    ({**VALID, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ({**VALID, "messages": []}, 400, "messages"),
     ({**VALID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ({**VALID, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
@@ -330,7 +333,8 @@ def test_bad_chat_requests(server, body, status, param):
 @pytest.mark.parametrize("prompt", ["", [], [[]], [10**9], [1, "a"], {"a": 1}, None, [-1]])
 def test_bad_prompts(server, prompt):
     got, raw = request(server, "POST", "/v1/completions", {"model": "smollm2-135m", "prompt": prompt})
-    assert got == 400 and json.loads(raw)["error"]["message"]
+    error = json.loads(raw)["error"]
+    assert got == 400 and error["message"] and error["param"] == "prompt", error
 
 
 def test_routes_sizes_and_context(server):
@@ -399,6 +403,39 @@ def test_http_layer_refusals_come_as_openai_json(server):
     conn.close()
 
 
+def test_no_body_passes_for_the_next_request_and_http10_streams_unchunked(server, capsys):
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection((server.host, server.port), timeout=30) as s:
+            s.sendall(data)
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+        return reply
+    # A GET's body (here a request of its own) stays unread, and the connection closes after the answer.
+    inner = b"GET /version HTTP/1.1\r\n\r\n"
+    reply = exchange(b"GET /health HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(inner), inner))
+    assert reply.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in reply and b"version" not in reply, reply
+    # Two Content-Lengths: neither frames the body, the request is refused and the connection closed.
+    body = b'{"prompt": "Hi", "max_tokens": 1}'
+    reply = exchange(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+    assert reply.startswith(b"HTTP/1.1 400") and reply.count(b"HTTP/1.1 ") == 1 and b"conflicting" in reply, reply
+    # HTTP/1.0 has no chunked coding: a stream comes as it is, ended by the connection's close.
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2, "stream": True}).encode()
+    head, _, events = exchange(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
+                               % (len(body), body)).partition(b"\r\n\r\n")
+    assert b"chunked" not in head.lower() and events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n")
+    assert all(e.startswith(b"data: ") for e in events.split(b"\n\n")[:-1]), events
+    # A client that sends a bad request and leaves before the answer is routine; a bug still shows.
+    for error in (BrokenPipeError(), ValueError("a bug")):
+        try:
+            raise error
+        except Exception:
+            server._httpd.handle_error(None, ("127.0.0.1", 1))
+    err = capsys.readouterr().err
+    assert "ValueError: a bug" in err and "BrokenPipeError" not in err
+
+
 def test_slow_client_gets_408_and_others_are_served(server, client):
     saved, server.timeout = server.timeout, 1.5
     try:
@@ -433,12 +470,15 @@ def test_api_key(server):
 
 def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, monkeypatch):
     stats = server.engine.stats
-    monkeypatch.setattr(server.engine, "stats", lambda: {**stats(), "num_waiting": 1})  # one request waits
+    full = {"num_running": server.config.max_num_seqs, "num_waiting": 1}  # the batch is full and one request waits
+    monkeypatch.setattr(server.engine, "stats", lambda: {**stats(), **full})
     monkeypatch.setattr(server, "max_queue", 2)
     with pytest.raises(openai.RateLimitError):  # 1 + 2 waiting would be over 2: come back later
         client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="max-queue"):  # 3 never fit: no point retrying
         client.completions.create(model="smollm2-135m", prompt="Hi", n=3, max_tokens=1)
+    full["num_running"] -= 2  # two free places in the batch: the next step admits both, so neither waits
+    client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
     monkeypatch.undo()
     client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1)  # /metrics shows the truth again
 
@@ -651,6 +691,8 @@ def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
     r = tiny_client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", tools=None,
                                             response_format={"type": "text"}, stream_options=None)
     assert r.choices[0].finish_reason in ("stop", "length")
+    assert request(tiny_server, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                                 "response_format": {"type": None}})[0] == 200
 
 
 def test_a_tiny_temperature_samples_at_a_hundredth(tiny_client):
