@@ -3,6 +3,7 @@ build their command lines from them (help text included), so a new knob appears 
 import argparse
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 
 from sequence import require, typed
@@ -71,8 +72,8 @@ class EngineConfig:
             (0 < self.kv_cache_memory < math.inf, "kv_cache_memory must be > 0 and finite"),
             (0 <= self.swap_space < math.inf, "swap_space must be >= 0 and finite"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
-            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-             f"unknown device {self.device!r}"),
+            (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
+             f"unknown device {self.device!r} (auto, cpu, cuda or cuda:N)"),
             (self.seed >= 0, "seed must be >= 0"),
             (self.torch_threads is None or 1 <= self.torch_threads <= cores,
              f"torch_threads must be in [1, {cores}] (this machine's cores)"),

@@ -83,14 +83,17 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step with room for it."""
         params = params or SamplingParams(**self.sampling_defaults)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = (self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str)
                else list(prompt))
         c, vocab, pool = self.config, self.model_config.vocab_size, self.block_manager.num_blocks
         blocks = -(-(len(ids) + params.max_tokens) // c.block_size)
-        request_id = request_id or uuid.uuid4().hex
+        request_id = uuid.uuid4().hex if request_id is None else request_id
         require([(bool(ids), "prompt is empty"),
+                 (isinstance(request_id, str) and request_id != "", "request_id must be a non-empty string"),
                  (all(0 <= t < vocab for t in ids), f"token ids must be in [0, {vocab})"),
                  (all(0 <= t < vocab for t in [*params.logit_bias, *params.stop_token_ids]),
                   f"logit_bias and stop_token_ids take token ids in [0, {vocab})"),
@@ -213,10 +216,13 @@ class LLM(Engine):
         if not isinstance(prompts, list):
             raise ValueError(f"prompts: a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
-        if not isinstance(sampling_params, list):
+        if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params or SamplingParams(**self.sampling_defaults)] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        require([(len(sampling_params) == len(prompts),
+                  f"{len(prompts)} prompts but {len(sampling_params)} sampling params"),
+                 # Its step loop would take their outputs, which the caller of add_request expects from step().
+                 (not self.has_unfinished(), "generate() runs alone: finish (step) or abort the requests added "
+                                             "with add_request first")])
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, sampling_params):
@@ -232,10 +238,11 @@ class LLM(Engine):
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        if conversations and isinstance(conversations[0], dict):
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        if not all(isinstance(c, list) and c and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                     and isinstance(m.get("content"), str) for m in c)
-                   for c in conversations):
+        def message(m) -> bool:
+            return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        if not isinstance(conversations, list) or not all(isinstance(c, list) and c and all(map(message, c))
+                                                          for c in conversations):
             raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
         return self.generate([self.tokenizer.apply_chat_template(m) for m in conversations], sampling_params)

@@ -94,8 +94,8 @@ def chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True) 
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""})
     try:
         return engine.tokenizer.apply_chat_template(clean, add_generation_prompt)
-    except Exception as e:  # the checkpoint's template refuses the conversation (say, roles out of order)
-        raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from e
+    except ValueError as e:  # the checkpoint's template refuses the conversation (say, roles out of order)
+        raise ApiError(400, str(e), "messages") from e
 
 
 def completion_prompts(body: dict, engine: Engine) -> tuple[list[str | list[int]], list[list[int]]]:
@@ -151,8 +151,8 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
     seed = get(body, "seed", int)
     bias, stop_ids = get(body, "logit_bias", dict, {}), get(body, "stop_token_ids", list, [])
     vocab = engine.model_config.vocab_size
-    if not all(k.isdecimal() and len(k) <= 10 and int(k) < vocab and type(v) in (int, float) and math.isfinite(v)
-               for k, v in bias.items()):
+    if not all(k.isascii() and k.isdecimal() and len(k) <= 10 and int(k) < vocab
+               and type(v) in (int, float) and math.isfinite(v) for k, v in bias.items()):
         raise ApiError(400, f"'logit_bias' must map token ids in [0, {vocab}) to numbers", "logit_bias")
     if not all(type(t) is int and 0 <= t < vocab for t in stop_ids):
         raise ApiError(400, f"'stop_token_ids' must be an array of token ids in [0, {vocab})", "stop_token_ids")

@@ -46,13 +46,15 @@ class SamplingParams:
         integers = ("top_k", "max_tokens", "min_tokens", "seed", "logprobs")  # the last two may be None
         require([*(typed(n, getattr(self, n), float) for n in numbers),
                  *(typed(n, getattr(self, n), int, n in ("seed", "logprobs")) for n in integers),
+                 *(typed(n, getattr(self, n), bool) for n in ("ignore_eos", "skip_special_tokens")),
                  (isinstance(self.stop, list) and all(isinstance(x, str) for x in self.stop),
                   "stop must be a string or a list of strings"),
                  (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids),
                   "stop_token_ids must be a list of token ids"),
                  (isinstance(self.logit_bias, dict) and all(
-                     (type(t) is int or isinstance(t, str) and t.isdecimal()) and type(b) in (int, float)
-                     for t, b in self.logit_bias.items()), "logit_bias must map token ids to numbers")])
+                     (type(t) is int or isinstance(t, str) and t.isascii() and t.isdecimal())
+                     and type(b) in (int, float) for t, b in self.logit_bias.items()),
+                  "logit_bias must map token ids to numbers")])
         self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         require([(0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}"),
                  (all(self.stop), "stop cannot contain an empty string"),
@@ -65,7 +67,7 @@ class SamplingParams:
                  (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
                  (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-                 (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+                 (0 < self.repetition_penalty < float("inf"), "repetition_penalty must be > 0 and finite"),
                  (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]")])
         if 0 < self.temperature < 0.01:  # as vLLM: logits divided by less can overflow float32
             self.temperature = 0.01

@@ -165,7 +165,9 @@ def test_bad_requests(llm):
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=2.5), dict(top_k=2.5), dict(logprobs=2.5), dict(seed=1.5),
                                     dict(seed=2**70), dict(seed="a"), dict(stop=[1]), dict(stop_token_ids=5),
                                     dict(logit_bias=[1, 2]), dict(logit_bias={5: "x"}), dict(temperature=None),
-                                    dict(max_tokens="5"), dict(temperature=True)])
+                                    dict(max_tokens="5"), dict(temperature=True), dict(ignore_eos="yes"),
+                                    dict(skip_special_tokens=0), dict(logit_bias={"\u0663": 1}),
+                                    dict(repetition_penalty=float("inf"))])
 def test_sampling_params_of_the_wrong_type_name_their_field(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
@@ -188,9 +190,27 @@ def test_the_python_api_refuses_bad_input_whole(tiny):
     with pytest.raises(ValueError, match="empty"):  # the first prompt was fine: it must not stay queued
         llm.generate(["a fine prompt", ""], greedy)
     assert not llm.has_unfinished() and not llm.requests
-    for conversation in (["hi"], "hello", [{"role": "user", "content": 5}], [{"role": "user"}], [[]]):
+    for conversation in (["hi"], "hello", [{"role": "user", "content": 5}], [{"role": "user"}], [[]],
+                         {"role": "user", "content": "hi"}, None, 5):
         with pytest.raises(ValueError, match="conversation"):
             llm.chat(conversation, greedy)
+    for params in ({"max_tokens": 2}, [{"max_tokens": 2}]):
+        with pytest.raises(TypeError, match="SamplingParams"):
+            llm.generate("a", params)
+    for rid in ("", 123):
+        with pytest.raises(ValueError, match="request_id"):
+            llm.add_request("a", greedy, rid)
+    assert not llm.has_unfinished() and not llm.requests
+    # generate() steps until its own requests finish: it would take the outputs of one added before.
+    llm.add_request("early", greedy, "early")
+    with pytest.raises(ValueError, match="add_request"):
+        llm.generate(["a", "b"], greedy)
+    assert list(llm.requests) == ["early"]
+    llm.abort("early")
+    # A template that refuses a conversation (raise_exception) is a ValueError, as a malformed one is.
+    strict = llm.tokenizer.with_chat_template("{{ raise_exception('no system role here') }}")
+    with pytest.raises(ValueError, match="no system role here"):
+        strict.apply_chat_template([{"role": "system", "content": "hi"}])
 
 
 def test_int4_gives_back_the_checkpoints_own_q4_blocks():

@@ -25,6 +25,7 @@ import weights
 from config import EngineConfig, add_cli_args, from_cli_args
 from conftest import serving, serving_tiny
 from serve import Server, main
+from tokenizer import read_chat_template
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as in the server fixture
@@ -487,7 +488,7 @@ def test_cli_bad_values_one_line(capsys):
     for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
                  ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"],
                  ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"], ["--max-model-len", "1"],
-                 ["--dummy-weights", "--model-path", "x.gguf"]):
+                 ["--dummy-weights", "--model-path", "x.gguf"], ["--device", "cuda:abc"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
@@ -776,6 +777,9 @@ def test_chat_template_file(tiny, tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("serve.py: error: chat template")
     with pytest.raises(ValueError, match="chat_template"):
         EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "empty.jinja").write_text("\n")  # not the checkpoint's template in silence
+    with pytest.raises(ValueError, match="empty"):
+        read_chat_template(str(tmp_path / "empty.jinja"))
 
 
 def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypatch):

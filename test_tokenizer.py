@@ -3,7 +3,6 @@ import importlib.util
 import json
 import os
 
-import jinja2
 import pytest
 
 from tokenizer import LLAMA3_PATTERN, IncrementalDetokenizer, byte_tokenizer, load_tokenizer
@@ -153,7 +152,7 @@ def test_template_from_tokenizer_config_renders_like_transformers(hf_dir, tmp_pa
     for messages in CHATS:
         messages = [*messages, {"role": "user", "content": "<b>\"quoted\" & ünïcode</b>", "name": None}]
         assert tok.apply_chat_template(messages) == hf_chat(hf, messages)
-    with pytest.raises(jinja2.TemplateError, match="bad role"):
+    with pytest.raises(ValueError, match="chat template: bad role"):
         tok.apply_chat_template([{"role": "bad", "content": ""}])
 
 

@@ -240,6 +240,17 @@ def test_unsupported_gguf_type_is_a_clear_error(tmp_path):
         load_weights(str(tmp_path / "bad.gguf"))
 
 
+def test_a_damaged_checkpoint_or_a_missing_path_is_named(tmp_path):
+    write_gguf(tmp_path / "cut.gguf", tiny_llama(False, False), {}, {})
+    data = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) * 3 // 4])  # a download cut short
+    with pytest.raises(ValueError, match=f"cannot load {tmp_path / 'cut.gguf'}: "):
+        load_weights(str(tmp_path / "cut.gguf"))
+    for model, path in ((str(tmp_path / "nothing.gguf"), None), ("smollm2-135m", str(tmp_path / "nothing"))):
+        with pytest.raises(FileNotFoundError, match="nothing.* does not exist"):
+            resolve_checkpoint(model, path)
+
+
 def test_gguf_with_other_rope_freqs_is_refused(tmp_path):
     model = tiny_llama(False, False)
     write_gguf(tmp_path / "odd.gguf", model, {}, {"rope_freqs.weight": np.linspace(1, 3, 8, dtype=np.float32)})

@@ -127,9 +127,13 @@ class Tokenizer:
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
         tokens = {k: self.decode([i]) for k, i in names.items() if i is not None}
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
+        try:
+            text = self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **tokens)
+        except Exception as e:  # the template refuses the conversation (raise_exception), or breaks on it
+            raise ValueError(f"cannot apply the chat template: {e}") from e
         # transformers tokenizes the rendered chat without adding BOS: templates that want one write it.
-        return self.encode(self._template.render(messages=messages, tools=None, documents=None,
-                                                 add_generation_prompt=add_generation_prompt, **tokens))
+        return self.encode(text)
 
 
 def _raise_template_error(message: str) -> None:
@@ -150,8 +154,10 @@ def read_chat_template(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             template = f.read()
+        if not template.strip():
+            raise ValueError("the file is empty")
         compile_chat_template(template)
-    except (OSError, UnicodeDecodeError, jinja2.TemplateSyntaxError) as e:
+    except (OSError, ValueError, jinja2.TemplateSyntaxError) as e:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"chat template {path}: {e}") from None
     return template
 

@@ -68,14 +68,15 @@ _GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
 
 def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None) -> str:
     """Path of the checkpoint to load for `model` (a preset name, HF repo id or path); FileNotFoundError if none."""
-    explicit = model_path or (model if os.path.exists(model) else None)
+    a_path = os.path.exists(model) or model.startswith(("/", ".", "~")) or model.endswith(".gguf")  # not an HF id
+    explicit = model_path or (os.path.expanduser(model) if a_path else None)
     if explicit:
         # An explicit path never falls through to some other checkpoint: that would silently serve the wrong model.
         if found := _checkpoint_at(explicit):
             return found
         raise FileNotFoundError(
-            f"{explicit} is not a checkpoint: expected a .gguf file or a Hugging Face directory "
-            "(config.json + *.safetensors).")
+            f"{explicit} {'is not a checkpoint' if os.path.exists(explicit) else 'does not exist'}: expected a "
+            ".gguf file or a Hugging Face directory (config.json + *.safetensors).")
     looked: list[str] = []
     if root := os.environ.get("LANESERVE_MODELS"):
         for candidate in (os.path.join(root, model), os.path.join(root, model + ".gguf")):
@@ -155,7 +156,10 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
     found = _checkpoint_at(path)
     if found is None:
         raise FileNotFoundError(f"{path} is not a checkpoint (a .gguf file or an HF safetensors directory)")
-    config, state = (_load_gguf if found.endswith(".gguf") else _load_hf)(found, dtype, rank, size)
+    try:
+        config, state = (_load_gguf if found.endswith(".gguf") else _load_hf)(found, dtype, rank, size)
+    except Exception as e:  # ours, or numpy's, gguf's, safetensors' or json's on a damaged file: name the file
+        raise ValueError(f"cannot load {found}: {e}") from e
     expected = weight_shapes(config, size)
     got = {name: tuple(tensor.shape) for name, tensor in state.items()}
     if got != expected:
@@ -193,14 +197,14 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
     # tokenizer.* fields are tokenizer.py's.
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("llama.", "general.architecture"))}
     if meta.get("general.architecture") != "llama":
-        raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r}, only 'llama' is supported")
+        raise ValueError(f"architecture {meta.get('general.architecture')!r}, only 'llama' is supported")
     tensors = {t.name: t for t in reader.tensors}
     hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
     kv_heads = meta.get("llama.attention.head_count_kv", heads)
     head_dim = meta.get("llama.attention.key_length", hidden // heads)
     theta = _f32(meta.get("llama.rope.freq_base", 10000.0))
     if meta.get("llama.rope.scaling.type", "none") != "none" and meta.get("llama.rope.scaling.factor", 1.0) != 1.0:
-        raise ValueError(f"{path}: RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
+        raise ValueError(f"RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
     scaling = None
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores Llama 3 scaling only as per-frequency divisors; recover the parameters Meta ships
@@ -211,7 +215,7 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
         plain, scaled = (rope_inv_freq(ModelConfig(head_dim=head_dim, rope_theta=theta, rope_scaling=r))
                          for r in (None, scaling))
         if not np.allclose((plain / scaled).numpy(), stored, rtol=1e-4):  # what each frequency is divided by
-            raise ValueError(f"{path}: rope_freqs is not Llama 3 scaling with {scaling}")
+            raise ValueError(f"rope_freqs is not Llama 3 scaling with {scaling}")
     config = ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
         intermediate_size=meta["llama.feed_forward_length"], num_hidden_layers=meta["llama.block_count"],
@@ -263,7 +267,7 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"{path}: model_type {cfg['model_type']!r}, only 'llama' is supported")
+        raise ValueError(f"model_type {cfg['model_type']!r}, only 'llama' is supported")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):  # the index names the shards; other *.safetensors in the dir may be stale leftovers
         with open(index) as f:
@@ -279,7 +283,7 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
-        raise ValueError(f"{path}: RoPE type {kind!r} is not supported (plain or Llama 3 scaling only)")
+        raise ValueError(f"RoPE type {kind!r} is not supported (plain or Llama 3 scaling only)")
     heads = cfg["num_attention_heads"]
     config = ModelConfig(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
