@@ -644,7 +644,11 @@ def main(argv: list[str] | None = None) -> int:
         config = from_cli_args(args)
         require([(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
                  (args.max_queue >= 1, "--max-queue must be >= 1"),
-                 (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0")])
+                 (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
+                 (args.host != "", "--host must not be empty (0.0.0.0 for every interface)"),
+                 (args.served_model_name != "", "--served-model-name must not be empty"),
+                 (all(o == "*" or re.fullmatch(r"https?://[^/\s]+", o) for o in args.allowed_origins),
+                  "--allowed-origins takes scheme://host[:port] (no path) or *")])
     except ValueError as e:
         parser.error(str(e))
     if launched_by_torchrun() and os.environ["RANK"] != "0":  # a worker of a multi-node model: rank 0 serves

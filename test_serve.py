@@ -488,7 +488,8 @@ def test_cli_bad_values_one_line(capsys):
     for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
                  ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"],
                  ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"], ["--max-model-len", "1"],
-                 ["--dummy-weights", "--model-path", "x.gguf"], ["--device", "cuda:abc"]):
+                 ["--dummy-weights", "--model-path", "x.gguf"], ["--device", "cuda:abc"], ["--host", ""],
+                 ["--served-model-name", ""], ["--allowed-origins", "example.com"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
