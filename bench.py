@@ -20,9 +20,10 @@ import platform
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 import torch
@@ -53,15 +54,16 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if shown else super()._get_help_string(action)
 
 
-def _number(kind: type, zero_ok: bool = False):
-    """An argparse type: a positive int or float (or zero, with zero_ok)."""
+def _number(kind: type, zero_ok: bool = False, most: float = math.inf):
+    """An argparse type: a positive int or float (or zero, with zero_ok), at most `most`."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not (value >= 0 if zero_ok else value > 0) or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} must be finite and {'>=' if zero_ok else '>'} 0")
+        if not (value >= 0 if zero_ok else value > 0) or not math.isfinite(value) or value > most:
+            bounds = f"{'>=' if zero_ok else '>'} 0" + (f" and <= {most:g}" if most < math.inf else "")
+            raise argparse.ArgumentTypeError(f"{text} must be finite and {bounds}")
         return value
     return parse
 
@@ -80,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos)")
     a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
     a("--warmup", type=count, default=2, help="unmeasured requests before measuring")
-    a("--temperature", type=_number(float, zero_ok=True), default=0.0, help="sampling temperature (0: greedy, as vLLM's bench)")
+    a("--temperature", type=_number(float, zero_ok=True, most=2), default=0.0,  # the API's range: more gets HTTP 400
+      help="sampling temperature (0: greedy, as vLLM's bench)")
     a("--slo-ttft", type=num, help="goodput counts the requests whose TTFT is at most this, in ms (as vLLM's "
       "--goodput ttft:MS)")
     a("--slo-tpot", type=num, help="... and whose TPOT is at most this, in ms (vLLM's --goodput tpot:MS)")
@@ -118,6 +121,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.offline and online_only or not args.offline and offline_only:
         p.error(f"{', '.join(online_only if args.offline else offline_only)}: not for "
                 f"{'--offline' if args.offline else 'the sweep (those are --offline knobs)'}")
+    # --model stays: with --base-url it names the model to request.
+    engine_only = [f"--{f.name.replace('_', '-')}" for f in fields(EngineConfig) if "help" in f.metadata
+                   and f.name != "model" and getattr(args, f.name) != p.get_default(f.name)]
+    if args.base_url and engine_only:
+        p.error(f"{', '.join(engine_only)}: not for --base-url (those set up the in-process server's engine)")
     if len(set(args.concurrency)) < len(args.concurrency):
         p.error(f"--concurrency: each level once, got {' '.join(map(str, args.concurrency))}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):  # found out now, not after the run
@@ -424,7 +432,11 @@ async def measure(args, url: str, label: str, until: float) -> tuple[dict, str |
     run = {"sweep": [], "mixed": None, "goodput": None}
     try:
         try:
-            model = args.model if args.base_url and args.model else (await client.get("/models"))["data"][0]["id"]
+            async with asyncio.timeout(min(args.request_timeout, until - time.perf_counter())):  # a mute server
+                model = args.model if args.base_url and args.model else (await client.get("/models"))["data"][0]["id"]
+        except TimeoutError:
+            raise BenchError(f"cannot list the models at {client.url}: no answer within --request-timeout "
+                             f"({args.request_timeout:g}s) or the time left of --time-limit") from None
         except (HTTPError, OSError, ValueError, KeyError, IndexError) as e:
             raise BenchError(f"cannot list the models at {client.url}: {e}") from None
         t0, warm = time.perf_counter(), [Request("warmup", min(16, args.max_tokens)) for _ in range(args.warmup)]
@@ -465,6 +477,7 @@ def run_online(args, deadline: float, report: dict) -> None:
                 child = ctx.Process(target=_measure_in_child, daemon=True,
                                     args=(args, server.url, label, until - time.perf_counter(), send))
                 child.start()
+                send.close()  # the child's copy is the only one left, so its death reads as EOF, not a hang
                 try:
                     run, model, error = receive.recv()
                 except EOFError:
@@ -485,7 +498,10 @@ def run_online(args, deadline: float, report: dict) -> None:
 def run_offline(args, deadline: float, report: dict) -> None:
     """nano-vllm's bench: random token-id prompts and output lengths, ignore_eos. The loop is generate()'s own,
     written out so that the time limit can stop it between steps."""
-    llm = LLM(engine_config(args))
+    try:
+        llm = LLM(engine_config(args))
+    except Exception as e:  # as the in-process server reports its load's: a missing checkpoint, no such device, ...
+        raise BenchError(f"the model failed to load: {e}") from None
     report["config"]["engine"] = {**asdict(llm.config), "device": str(llm.device),
                                   "dtype": str(llm.dtype).removeprefix("torch.")}
     rng = random.Random(args.seed)
@@ -493,7 +509,10 @@ def run_offline(args, deadline: float, report: dict) -> None:
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                for _ in range(args.num_prompts)]
     outs = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
-    llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, unmeasured
+    try:
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, unmeasured
+    except ValueError as e:  # an engine too small for even these 7 tokens
+        raise BenchError(f"--offline warm-up: {e} (see the engine's size knobs)") from None
     before, bar, t0 = llm.num_generation_tokens, Progress("offline", args.num_prompts), time.perf_counter()
     try:
         for p, n in zip(prompts, outs):
@@ -614,4 +633,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if threading.active_count() > 1:
+        # A server's model load that --time-limit (or ^C) cut short still runs on its thread: torch cannot be
+        # interrupted mid-load, and finalizing the interpreter under it aborts the process (as serve.py's main).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)

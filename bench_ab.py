@@ -8,7 +8,6 @@ The workload is bench.py's 64-stream level without HTTP: --num-seqs clients, eac
 one after the other (random token ids, --prompt-len tokens, --max-tokens greedy tokens, ignore_eos)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -24,13 +23,6 @@ def worker(root: str, job: dict) -> int:
     """root's engine on job's workload, one step per line read; answers [seconds, prefill?], then null.
     Nothing of the project is imported before this, so that every module comes from root."""
     sys.path[0] = root  # in place of this file's directory
-    try:
-        from engine import Engine
-        from sequence import SamplingParams
-        engine = Engine(**job["knobs"])
-    except Exception as e:  # the parent says which worker failed; this line says why
-        print(f"{root}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
     rng = random.Random(0)
     left: dict[str, int] = {}  # request id -> requests its client has still to send after it
 
@@ -39,8 +31,18 @@ def worker(root: str, job: dict) -> int:
         params = SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True, temperature=0)
         left[engine.add_request(ids, params)] = waves
 
-    for _ in range(job["num_seqs"]):
-        send(job["waves"] - 1)
+    def refuse(e: Exception) -> int:  # the parent says which worker failed; this line says why
+        print(f"{root}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+    try:
+        from engine import Engine
+        from sequence import SamplingParams
+        engine = Engine(**job["knobs"])
+        for _ in range(job["num_seqs"]):  # here too: a request the engine cannot hold (--max-tokens, --prompt-len)
+            send(job["waves"] - 1)
+    except Exception as e:
+        return refuse(e)
     print("ready", flush=True)
     s = engine.scheduler
     for _ in sys.stdin:
@@ -53,15 +55,18 @@ def worker(root: str, job: dict) -> int:
         print(json.dumps([time.perf_counter() - t, prefill]), flush=True)
         for o in outputs:
             if o.finished and (waves := left.pop(o.request_id)):
-                send(waves - 1)
+                try:
+                    send(waves - 1)
+                except ValueError as e:  # a prompt longer than the first ones drew, and too long
+                    return refuse(e)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     # Here, not at the top: a worker must not have imported this checkout's modules.
-    from bench import _number
+    from bench import ArgumentParser, _number  # one-line errors and positive numbers, as bench.py's
     from config import EngineConfig, add_cli_args, from_cli_args
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="bench_ab.py", description=__doc__.split("\n\n")[0])
     p.add_argument("other", help="the other checkout's directory")
     p.add_argument("--num-seqs", type=_number(int), default=64, help="clients")
     p.add_argument("--waves", type=_number(int), default=2, help="requests per client, one after the other")
@@ -77,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     roots = [HERE, os.path.abspath(args.other)]
     if not os.path.isfile(os.path.join(roots[1], "engine.py")):
-        print(f"bench_ab.py: no engine.py in {roots[1]}", file=sys.stderr)
-        return 2
+        p.error(f"no engine.py in {roots[1]}")
     # Only the knobs that differ from this checkout's defaults, so that an older engine gets its own.
     job = {"knobs": {f.name: v for f in fields(EngineConfig) if "help" in f.metadata
                      and (v := getattr(args, f.name)) != f.default},
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                     totals[i][0 if r[1] else 2] += r[0]
                     totals[i][1 if r[1] else 3] += 1
     except (RuntimeError, OSError) as e:
-        print(f"bench_ab.py: {e}", file=sys.stderr)
+        print(f"bench_ab.py: error: {e}", file=sys.stderr)
         return 1
     finally:
         for proc in procs:

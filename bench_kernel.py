@@ -60,10 +60,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             if time.perf_counter() > deadline:
                 return rows
             nblk = -(-ctx // block)
-            k, v = (torch.randn(bs * nblk, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
-            q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
-            tables = torch.randperm(bs * nblk, device=dev).view(bs, nblk).to(torch.int32)  # scattered, as in a pool
-            lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+            try:
+                k, v = (torch.randn(bs * nblk, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
+                q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
+                # Scattered, as in a pool.
+                tables = torch.randperm(bs * nblk, device=dev).view(bs, nblk).to(torch.int32)
+                lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+            except RuntimeError:  # the allocator's (CUDA's OutOfMemoryError is one); the sizes say more than its text
+                kv_gb = 2 * bs * nblk * block * kv_heads * dim * dtype.itemsize / 1e9
+                raise SystemExit(f"bench_kernel.py: error: batch {bs} at context {ctx} does not fit in {dev.type} "
+                                 f"memory (K and V alone take {kv_gb:.3g} GB): lower --batches or --contexts") from None
             nbytes = (2 * bs * ctx * kv_heads * dim + q.numel()) * k.element_size()
             row = {"batch": bs, "context": ctx, "bytes": nbytes}
             try:

@@ -5,12 +5,14 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import bench
 import bench_ab
 import bench_kernel
 from bench import main
@@ -73,6 +75,22 @@ def test_offline_requests_that_cannot_fit_fail_in_one_line(tmp_path, capsys):
     assert rc == 1 and "Traceback" not in err and "max_model_len" in err.strip().splitlines()[-1], err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nosuch"], "the model failed to load: No checkpoint found for model 'nosuch'"),
+    (["--dummy-weights", "--max-model-len", "100000"], "the model failed to load: max_model_len 100000 exceeds"),
+    (["--dummy-weights", "--kv-cache-memory", "1e-9"], "the model failed to load: no memory left for the KV cache"),
+    (["--dummy-weights", "--chat-template", "BROKEN"], "the model failed to load: chat template"),
+    (["--dummy-weights", "--max-model-len", "4", "--min-len", "4", "--max-len", "4"], "--offline warm-up: "),
+])
+def test_offline_engine_that_cannot_load_or_warm_up_fails_in_one_line(argv, message, tmp_path, capsys):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content ")  # never closed
+    argv = [str(broken) if a == "BROKEN" else a for a in argv]
+    rc, _, _, err = run(["--offline", "--num-prompts", "2", *argv], tmp_path, capsys)
+    assert rc == 1 and err.startswith("bench.py: error: ") and message in err.splitlines()[0], err
+    assert "Traceback" not in err
+
+
 def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
     # This checkout against itself: the same workload, so the same steps on both sides.
     argv = [HERE, *SMALL, "--num-seqs", "3", "--waves", "2", "--max-tokens", "3", "--prompt-len", "4", "20"]
@@ -89,6 +107,26 @@ def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
     err = capfd.readouterr().err
     assert f"{tmp_path}: ImportError: no engine; {tmp_path / 'sequence.py'}" in err
     assert "a worker failed to start" in err and "Traceback" not in err
+
+
+def test_ab_requests_the_engine_cannot_hold_fail_in_one_line(capfd):
+    assert bench_ab.main([HERE, *SMALL, "--num-seqs", "1", "--max-tokens", "100000"]) == 1
+    err = capfd.readouterr().err
+    assert f"{HERE}: ValueError: prompt (53 tokens) + max_tokens (100000) exceeds max_model_len" in err
+    assert "bench_ab.py: error: a worker failed to start" in err and "Traceback" not in err
+
+
+def test_ab_other_checkout_without_an_engine_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_ab.main([str(tmp_path)])
+    assert e.value.code == 2 and capsys.readouterr().err == f"bench_ab.py: error: no engine.py in {tmp_path}\n"
+
+
+def test_kernel_bench_sizes_that_do_not_fit_in_memory_are_one_line():
+    with pytest.raises(SystemExit) as e:
+        bench_kernel.main(["--device", "cpu", "--batches", "1000000", "--contexts", "1000000"])
+    assert str(e.value.code).startswith("bench_kernel.py: error: batch 1000000 at context 1000000")
+    assert "does not fit" in e.value.code and "\n" not in e.value.code
 
 
 def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_path, capsys):
@@ -221,6 +259,40 @@ def test_unreachable_server_is_one_line(tmp_path, capsys):
     assert "Serving benchmark" not in out  # no table of dashes: nothing was measured
 
 
+def test_a_server_that_never_answers_is_one_line(tmp_path, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as s:  # connections wait in its backlog, never answered
+        closer = threading.Timer(30, s.close)  # a client without a timeout then fails rather than hangs
+        closer.start()
+        began = time.monotonic()
+        try:
+            rc, report, out, err = run(["--base-url", f"http://127.0.0.1:{s.getsockname()[1]}", "--request-timeout",
+                                        "1"], tmp_path, capsys)
+        finally:
+            closer.cancel()
+    assert rc == 1 and time.monotonic() - began < 10 and err.count("\n") == 1, err
+    assert err.startswith("bench.py: error: cannot list the models") and "no answer within --request-timeout" in err
+
+
+def _client_dies(*args) -> None:  # run_online's client process, spawned: it imports this module
+    os._exit(3)
+
+
+def test_a_client_process_that_dies_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "_measure_in_child", _client_dies)
+    rc, _, _, err = run([*SMALL, "--concurrency", "1", "--warmup", "0", "--mixed-num-short", "0"], tmp_path, capsys)
+    assert rc == 1 and err.splitlines()[-1] == "bench.py: error: the client process died (exit code 3)", err
+
+
+def test_a_model_still_loading_at_the_time_limit_is_one_line_not_an_abort():
+    # The model (a bigger one, so that it takes seconds) still loads on the server's thread when bench.py exits.
+    run = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "llama3.2-1b", "--dummy-weights",
+                          "--time-limit", "0.5", "--concurrency", "1", "--warmup", "0", "--mixed-num-short", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "terminate called" not in run.stderr, run.stderr
+    assert run.stderr.splitlines()[-1] == ("bench.py: error: the model failed to load: the model did not load within "
+                                           "the time limit (--time-limit)")
+
+
 def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, capsys):
     began = time.monotonic()
     rc, report, out, err = run(["--base-url", stub(delay=0.05), "--concurrency", "2", "--max-tokens", "1000",
@@ -245,6 +317,9 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
     (["--concurrency", "2", "2"], "--concurrency: each level once"),
     (["--num-prompts", "3"], "--num-prompts: not for the sweep"),
     (["--offline", "--slo-ttft", "100", "--compare-static"], "--compare-static, --slo-ttft: not for --offline"),
+    (["--base-url", "http://x", "--temperature", "2.5"], "--temperature: 2.5 must be finite and >= 0 and <= 2"),
+    (["--base-url", "http://x", "--dummy-weights", "--num-kv-blocks", "4", "--model", "m"],
+     "--dummy-weights, --num-kv-blocks: not for --base-url"),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
