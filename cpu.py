@@ -168,7 +168,8 @@ class BucketedAttention:
     recomputed after a preemption, and the prefix cache keeps prompt blocks only (kv_cache.BlockManager). Hence also a
     generated token's own copy of its sequence's keys (oneDNN would copy a shared, stride-0 batch anyway), and no
     batch of one item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are made
-    CALL_BYTES at a time. A step's first layer plans what depends on the block tables alone; the others reuse it."""
+    CALL_BYTES at a time. A step's first layer plans what depends on the step's BatchMeta alone (positions, buckets,
+    masks, block ids); the others reuse it."""
 
     def __init__(self):
         self.meta: BatchMeta | None = None  # what the plan below was made for
@@ -177,7 +178,7 @@ class BucketedAttention:
         block_size, key_bytes, kv_heads = k_cache.shape[1], k_cache[0, 0].nbytes, k_cache.shape[2]
         lens, ctx = torch.tensor(meta.query_lens), torch.tensor(meta.host_context_lens)
         seq = torch.arange(len(lens)).repeat_interleave(lens)  # each query row's sequence
-        # a row's position: its sequence's context length, less the rows after it in its piece
+        # a row's position: its sequence's context length, less its piece's length, plus its index in the piece
         pos = ctx[seq] - lens.cumsum(0)[seq] + torch.arange(len(seq))
         smallest = max(KEY_BUCKET, block_size)
         prompt = pos < torch.tensor(meta.prompt_lens, dtype=torch.long)[seq]
@@ -206,20 +207,20 @@ class BucketedAttention:
             r = generated[r]
             self.token_calls.append((r, blocks(seq[r], b), score_mask(torch.arange(b) > pos[r, None])[:, None]))
         rows = prompt.nonzero()[:, 0]
-        # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query slots hold the row
+        # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query rows hold the row
         # at that position, or len(seq): the row of zeros __call__ appends.
         span = int(ctx.max()) // GROUP + 1
         ids, group = (seq[rows] * span + pos[rows] // GROUP).unique(return_inverse=True)
-        slots = torch.full((len(ids), GROUP), len(seq))
-        slots[group, pos[rows] % GROUP] = rows
+        query_rows = torch.full((len(ids), GROUP), len(seq))
+        query_rows[group, pos[rows] % GROUP] = rows
         first = ids % span * GROUP  # each group's first position
         # key_bucket(first + GROUP) is the bucket of every position in the group
         for b, _, g in calls(key_bucket(first + GROUP, smallest), 1):
             run = g.repeat(2) if len(g) * kv_heads == 1 else g
             mask = score_mask(torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None])
-            index = slots[g].flatten()
+            index = query_rows[g].flatten()
             present = (index < len(seq)).nonzero()[:, 0]
-            self.group_calls.append((slots[run].flatten(), blocks(ids[run] // span, b), mask,
+            self.group_calls.append((query_rows[run].flatten(), blocks(ids[run] // span, b), mask,
                                      index[present], present))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
@@ -228,9 +229,9 @@ class BucketedAttention:
             self.plan(meta, k_cache)
         n, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
-        group_heads = heads // kv_heads
+        heads_per_kv = heads // kv_heads
         query = query * scale
-        out = torch.empty(n, kv_heads, group_heads, dim, dtype=query.dtype)
+        out = torch.empty(n, kv_heads, heads_per_kv, dim, dtype=query.dtype)
         if self.token_calls:
             # Grouped-query attention without a copy of the keys per query head: query head h is laid out
             # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
@@ -252,9 +253,9 @@ class BucketedAttention:
                 items, b = mask.shape[0], mask.shape[-1]
                 k, v = (by_kv_head(gather_keys(c, blocks), items, b) for c in (k_cache, v_cache))
                 s = torch.bmm(by_kv_head(q.index_select(0, index), items, GROUP), k.transpose(1, 2))
-                s.view(items, kv_heads, GROUP, group_heads, b).add_(mask[:, None, :, None])
-                o = torch.bmm(s.softmax(-1), v).view(items, kv_heads, GROUP, group_heads, dim).transpose(1, 2)
-                o = o.reshape(items * GROUP, kv_heads, group_heads, dim)
+                s.view(items, kv_heads, GROUP, heads_per_kv, b).add_(mask[:, None, :, None])
+                o = torch.bmm(s.softmax(-1), v).view(items, kv_heads, GROUP, heads_per_kv, dim).transpose(1, 2)
+                o = o.reshape(items * GROUP, kv_heads, heads_per_kv, dim)
                 out.index_copy_(0, rows, o.index_select(0, present))
         return out.view(n, heads, dim)
 

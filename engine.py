@@ -36,7 +36,8 @@ class RequestOutput:
 
 @dataclass
 class SeqStep:
-    """One sequence in one step of the trace; kv_tokens counts prompt + generated tokens."""
+    """One sequence in one step of the trace. kv_tokens: all its tokens after the step, the whole prompt and the
+    generated ones, the one sampled this step included (its K/V is written next step)."""
     request_id: str
     num_new_tokens: int
     num_generated: int
@@ -59,7 +60,7 @@ class Engine:
                           else load_tokenizer(r.checkpoint_path))
         if template:
             self.tokenizer = self.tokenizer.with_chat_template(template)
-        weights.read_gguf.cache_clear()
+        weights.read_gguf.cache_clear()  # the parsed header, vocabulary included, was the tokenizer's
         self.sampling_defaults = weights.sampling_defaults(r.checkpoint_path) if c.generation_config == "auto" else {}
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
@@ -133,7 +134,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> run the model (batch tensors, forward, sample) -> append the tokens. Returns an
-        output for every sequence that produced a token this step."""
+        output for every sequence that produced a token this step (static mode: finished ones held until
+        their batch ends)."""
         began = time.perf_counter()
         if self.failure:
             raise WorkerFailure(self.failure)
@@ -157,7 +159,7 @@ class Engine:
                                        s.status is Status.FINISHED) for s, n in out.scheduled])
         if self.config.scheduling == "static":
             # Request-level batching answers a batch all at once: a finished sequence's result waits
-            # (its slot idle) until the batch's longest sequence is done.
+            # (its place in the batch idle) until the batch's longest sequence is done.
             self.held += [o for o in outputs if o.finished]
             outputs = [o for o in outputs if not o.finished]
             if not self.scheduler.running:
@@ -207,7 +209,7 @@ class Engine:
 
 
 class LLM(Engine):
-    """Offline use: generate() and chat() run every request to completion, batched continuously."""
+    """Offline use: generate() and chat() run every request to completion, batched as the engine schedules."""
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -59,7 +59,7 @@ def tp_check(c: ModelConfig, size: int) -> None:
 @dataclass
 class BatchMeta:
     """Where each flattened token of one step lives. Sequence i owns the next query_lens[i] token rows;
-    context_lens[i] counts its cached tokens after this step."""
+    context_lens[i] counts its computed tokens (K/V in the cache) after this step."""
     slot_mapping: torch.Tensor     # [num_tokens] int64, physical KV slot per new token, -1 = padding
     block_tables: torch.Tensor     # [num_seqs, max_blocks] int32, unused entries 0
     context_lens: torch.Tensor     # [num_seqs] int32
@@ -106,11 +106,11 @@ class Block(nn.Module):
         super().__init__()
         self.heads, self.kv_heads = c.num_attention_heads // tp_size, max(1, c.num_key_value_heads // tp_size)
         self.head_dim = d = c.head_dim
-        q, kv, inter = self.heads * d, self.kv_heads * d, c.intermediate_size // tp_size
+        q_width, kv_width, inter = self.heads * d, self.kv_heads * d, c.intermediate_size // tp_size
         # On the meta device the weights cost no memory until the checkpoint's tensors replace them.
         self.attn_norm = nn.RMSNorm(c.hidden_size, c.rms_norm_eps, device="meta")
-        self.qkv = nn.Linear(c.hidden_size, q + 2 * kv, bias=False, device="meta")
-        self.o = nn.Linear(q, c.hidden_size, bias=False, device="meta")
+        self.qkv = nn.Linear(c.hidden_size, q_width + 2 * kv_width, bias=False, device="meta")
+        self.o = nn.Linear(q_width, c.hidden_size, bias=False, device="meta")
         self.mlp_norm = nn.RMSNorm(c.hidden_size, c.rms_norm_eps, device="meta")
         self.gate_up = nn.Linear(c.hidden_size, 2 * inter, bias=False, device="meta")
         self.down = nn.Linear(inter, c.hidden_size, bias=False, device="meta")

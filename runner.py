@@ -216,7 +216,7 @@ class ModelRunner:
         if batch is None:
             return None
         ids, pos, meta = self.tensors(batch)
-        if self.graphs and meta.max_query_len == 1 and len(ids) <= self.graphs.sizes[-1]:
+        if self.graphs and meta.max_query_len == 1:  # the largest graph holds max_num_seqs rows
             # A graph computes every row; a one-token prefill piece that is not its prompt's end samples none.
             return self.graphs.run(ids, pos, meta)[meta.sample_rows]
         return self.model(ids, pos, meta, self.kv_cache.layers)
@@ -276,7 +276,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         except Exception as e:
             errors[i] = f"sampling failed ({type(e).__name__}: {e})"
             logprobs.pop(i, None)
-    # One transfer: token ids (exact in float64), NaN flags and every logprob in one tensor.
+    # One transfer: token ids (exact in float64), NaN flags and every logprob in one tensor: n ids, n flags,
+    # then per sequence with logprobs its token's logprob, its k top ids and their k logprobs.
     n = len(seqs)
     flat = torch.cat([t.double() for t in (tokens, best.values.isnan(),
                                            *(t for row in logprobs.values() for t in row))]).tolist()

@@ -20,10 +20,10 @@ class SchedulerOutput:
 
 class Scheduler:
     """Continuous (iteration-level) batching: the batch is rebuilt every step, so a finished sequence's
-    slot and blocks go to a waiting one at once. Static (request-level) batching, for comparison, admits
-    a new batch only once every sequence of the last one has finished. When a running sequence needs a
-    block and none is free, the most recently arrived running sequence is preempted: "recompute" drops
-    its KV, "swap" copies it to host memory (recompute when the swap space is full)."""
+    place in the batch and its blocks go to a waiting one at once. Static (request-level) batching, for
+    comparison, admits a new batch only once every sequence of the last one has finished. When a running
+    sequence needs a block and none is free, the most recently arrived running sequence is preempted:
+    "recompute" drops its KV, "swap" copies it to host memory (recompute when the swap space is full)."""
 
     def __init__(self, config: EngineConfig, blocks: BlockManager, swap_space: BlockManager):
         self.config = config
@@ -64,6 +64,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             self._schedule(seq, n, out)
+            # zip stops at the host blocks: a block allocated for this step's new token has nothing to copy.
             out.swap_in += zip(seq.swap_table, seq.block_table)
             out.swapped_in.append(seq)
             self.swap_space.free(seq.swap_table)
@@ -86,7 +87,7 @@ class Scheduler:
             self.blocks.free(seq.block_table)
             return False
         if self.blocks.enable_prefix_caching:
-            self.prefix_queries += seq.num_tokens
+            self.prefix_queries += seq.num_prompt_tokens
             self.prefix_hits += cached
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         self._schedule(seq, n, out)
@@ -150,7 +151,8 @@ class Scheduler:
             self.swapped.append(seq)
         else:
             # Recompute: drop the KV and requeue ahead of new arrivals. The generated tokens stay in
-            # token_ids, so the next prefill recomputes them as if they were prompt.
+            # token_ids, so the next prefill recomputes them too, still as generated tokens (the prompt's
+            # end, num_prompt_tokens, does not move): the same bits as when they were first computed.
             seq.num_computed_tokens = 0
             seq.status = Status.WAITING
             # Earlier-arrived sequences are preempted later, so they end up in front: arrival order holds.
@@ -158,7 +160,7 @@ class Scheduler:
         self.blocks.free(seq.block_table)
 
     def finish(self, seq: Sequence) -> None:
-        """Retire a sequence (finished or aborted): its slot and KV blocks are free at once."""
+        """Retire a sequence (finished or aborted): its place in the batch and its KV blocks are free at once."""
         {Status.RUNNING: self.running, Status.WAITING: self.waiting,
          Status.SWAPPED: self.swapped}.get(seq.status, []).remove(seq)
         self.blocks.free(seq.block_table)

@@ -1,4 +1,4 @@
-"""A sequence: one stream of tokens the engine runs (the seed's lane), with its sampling parameters and state."""
+"""A sequence (a lane): one stream of tokens the engine runs, with its sampling parameters and state."""
 from __future__ import annotations
 
 import itertools
@@ -24,7 +24,7 @@ def typed(name: str, value: Any, kind: type, none_ok: bool = False) -> tuple[boo
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0            # 0 = off
+    top_k: int = 0            # 0 (or -1) = off
     min_p: float = 0.0
     max_tokens: int = 16
     seed: int | None = None
@@ -90,7 +90,7 @@ class Sequence:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int = field(init=False, default=0)  # len(token_ids) at creation
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     swap_table: list[int] = field(default_factory=list)  # host blocks while swapped out
@@ -116,5 +116,5 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        # A decoding sequence has exactly one uncached token: the one it sampled last step.
+        # A decoding sequence has exactly one uncomputed token: the one it sampled last step.
         return self.num_tokens - self.num_computed_tokens > 1
