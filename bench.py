@@ -634,9 +634,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     rc = main()
-    if threading.active_count() > 1:
-        # A server's model load that --time-limit (or ^C) cut short still runs on its thread: torch cannot be
-        # interrupted mid-load, and finalizing the interpreter under it aborts the process (as serve.py's main).
+    if any(t.name == "engine" for t in threading.enumerate()):
+        # An in-process server's model load that --time-limit (or ^C) cut short still runs on its engine thread:
+        # torch cannot be interrupted mid-load, and finalizing the interpreter under it aborts the process (as
+        # serve.py's main says). Otherwise exit normally: atexit ends tensor-parallel workers.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
