@@ -72,7 +72,7 @@ class EngineConfig:
             (0 < self.kv_cache_memory < math.inf, "kv_cache_memory must be > 0 and finite"),
             (0 <= self.swap_space < math.inf, "swap_space must be >= 0 and finite"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
-            (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
+            (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", self.device) is not None,
              f"unknown device {self.device!r} (auto, cpu, cuda or cuda:N)"),
             (self.seed >= 0, "seed must be >= 0"),
             (self.torch_threads is None or 1 <= self.torch_threads <= cores,

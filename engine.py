@@ -83,7 +83,7 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step with room for it."""
-        params = params or SamplingParams(**self.sampling_defaults)
+        params = SamplingParams(**self.sampling_defaults) if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
@@ -219,7 +219,8 @@ class LLM(Engine):
             raise ValueError(f"prompts: a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
         if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params or SamplingParams(**self.sampling_defaults)] * len(prompts)
+            default = SamplingParams(**self.sampling_defaults) if sampling_params is None else sampling_params
+            sampling_params = [default] * len(prompts)
         require([(len(sampling_params) == len(prompts),
                   f"{len(prompts)} prompts but {len(sampling_params)} sampling params"),
                  # Its step loop would take their outputs, which the caller of add_request expects from step().
@@ -234,8 +235,13 @@ class LLM(Engine):
                 self.abort(i)
             raise
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            done |= {out.request_id: out for out in self.step() if out.finished}
+        try:
+            while len(done) < len(ids):
+                done |= {out.request_id: out for out in self.step() if out.finished}
+        except BaseException:  # Ctrl-C, say: the requests it added must not stay queued, unseen
+            for i in ids:
+                self.abort(i)
+            raise
         return [done[i] for i in ids]
 
     def chat(self, conversations: list[dict] | list[list[dict]],

@@ -126,7 +126,8 @@ class Server:
         """Bind and serve at once; the model loads on the engine thread (/health answers 503 until then)."""
         self._httpd = HTTPServer((self.host, self.port), Handler, self)
         self.port = self._httpd.server_address[1]
-        self.url = f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
+        host = self.host or "0.0.0.0"  # "" binds every interface too
+        self.url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
         # serve_forever looks for stop()'s shutdown between polls: every 50 ms rather than its default 500.
         self._threads = [threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="http", daemon=True),
                          threading.Thread(target=self._engine_loop, name="engine", daemon=True)]
@@ -239,13 +240,16 @@ class Server:
 
     def _add(self, job: Submit, streams: dict[str, Stream]) -> ApiError | None:
         """Adds all of job's sequences and returns None, or adds none and returns why."""
-        s = self.engine.stats()
-        # Waiting beyond the batch's free places: the next step admits the others (if KV allows).
-        waiting = max(0, s["num_waiting"] + s["num_swapped"] - (self.config.max_num_seqs - s["num_running"]))
-        if len(job.seqs) > self.max_queue:  # never accepted: a 429 would have the client retry
-            return ApiError(400, f"this request has {len(job.seqs)} sequences (prompts times n), more "
-                                 f"than the server queues (--max-queue {self.max_queue})")
-        if waiting + len(job.seqs) > self.max_queue:
+        s, c = self.engine.stats(), self.config
+        # The next step admits sequences into the batch's free places (KV allowing), so only those beyond wait;
+        # nothing is admitted while any is swapped out, or while a static batch runs.
+        busy = s["num_swapped"] or c.scheduling == "static" and s["num_running"]
+        free = 0 if busy else c.max_num_seqs - s["num_running"]
+        waiting = s["num_waiting"] + s["num_swapped"]
+        if len(job.seqs) > self.max_queue + c.max_num_seqs:  # never accepted: a 429 would have the client retry
+            return ApiError(400, f"this request has {len(job.seqs)} sequences (prompts times n), more than the "
+                                 f"server takes (--max-num-seqs {c.max_num_seqs} plus --max-queue {self.max_queue})")
+        if waiting + len(job.seqs) - free > self.max_queue:
             return ApiError(429, f"{waiting} requests are waiting (--max-queue {self.max_queue}); retry later",
                             code="rate_limit_exceeded")
         added: list[str] = []
@@ -310,8 +314,8 @@ class Handler(BaseHTTPRequestHandler):
                              ("Content-Length", "0")])
             return
         method = "GET" if self.command == "HEAD" else self.command  # HEAD: GET's headers, no body
-        if method != "POST" and (method != "GET" or "Content-Length" in self.headers
-                                 or "Transfer-Encoding" in self.headers):
+        if method != "POST" and (method != "GET" or "Transfer-Encoding" in self.headers
+                                 or self.headers.get("Content-Length", "0").strip() != "0"):
             self.close_connection = True  # a body it may carry stays unread: it must not pass for the next request
         try:
             try:
@@ -455,7 +459,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _open_stream(self) -> None:
         # HTTP/1.0 has no chunked coding: there the stream ends when the connection closes.
-        self.chunked = self.request_version != "HTTP/1.0"
+        self.chunked = self.request_version == "HTTP/1.1"
         self.close_connection = self.close_connection or not self.chunked
         self._head(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
                          ("Transfer-Encoding", "chunked") if self.chunked else ("Connection", "close")])
@@ -645,10 +649,9 @@ def main(argv: list[str] | None = None) -> int:
         require([(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
                  (args.max_queue >= 1, "--max-queue must be >= 1"),
                  (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
-                 (args.host != "", "--host must not be empty (0.0.0.0 for every interface)"),
                  (args.served_model_name != "", "--served-model-name must not be empty"),
-                 (all(o == "*" or re.fullmatch(r"https?://[^/\s]+", o) for o in args.allowed_origins),
-                  "--allowed-origins takes scheme://host[:port] (no path) or *")])
+                 (all(o in ("*", "null") or re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", o) for o in args.allowed_origins),
+                  "--allowed-origins takes scheme://host[:port] (no path), null or *")])
     except ValueError as e:
         parser.error(str(e))
     if launched_by_torchrun() and os.environ["RANK"] != "0":  # a worker of a multi-node model: rank 0 serves

@@ -194,7 +194,7 @@ def test_the_python_api_refuses_bad_input_whole(tiny):
                          {"role": "user", "content": "hi"}, None, 5):
         with pytest.raises(ValueError, match="conversation"):
             llm.chat(conversation, greedy)
-    for params in ({"max_tokens": 2}, [{"max_tokens": 2}]):
+    for params in ({"max_tokens": 2}, [{"max_tokens": 2}], {}):
         with pytest.raises(TypeError, match="SamplingParams"):
             llm.generate("a", params)
     for rid in ("", 123):
@@ -207,6 +207,14 @@ def test_the_python_api_refuses_bad_input_whole(tiny):
         llm.generate(["a", "b"], greedy)
     assert list(llm.requests) == ["early"]
     llm.abort("early")
+
+    def interrupted():
+        raise KeyboardInterrupt
+    llm.step = interrupted  # Ctrl-C during generate(): its requests must not stay queued
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b"], greedy)
+    del llm.step
+    assert not llm.has_unfinished() and not llm.requests
     # A template that refuses a conversation (raise_exception) is a ValueError, as a malformed one is.
     strict = llm.tokenizer.with_chat_template("{{ raise_exception('no system role here') }}")
     with pytest.raises(ValueError, match="no system role here"):

@@ -416,6 +416,9 @@ def test_no_body_passes_for_the_next_request_and_http10_streams_unchunked(server
     inner = b"GET /version HTTP/1.1\r\n\r\n"
     reply = exchange(b"GET /health HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(inner), inner))
     assert reply.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in reply and b"version" not in reply, reply
+    reply = exchange(b"GET /health HTTP/1.1\r\nContent-Length: 0\r\n\r\nGET /version HTTP/1.1\r\n"
+                     b"Connection: close\r\n\r\n")  # an empty body is no body: the connection goes on
+    assert reply.count(b"HTTP/1.1 200") == 2 and b"version" in reply, reply
     # Two Content-Lengths: neither frames the body, the request is refused and the connection closed.
     body = b'{"prompt": "Hi", "max_tokens": 1}'
     reply = exchange(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s"
@@ -471,15 +474,19 @@ def test_api_key(server):
 
 def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, monkeypatch):
     stats = server.engine.stats
-    full = {"num_running": server.config.max_num_seqs, "num_waiting": 1}  # the batch is full and one request waits
+    monkeypatch.setattr(server.config, "max_num_seqs", 4)  # the server's accounting only: the engine has its own
+    full = {"num_running": 4, "num_waiting": 1}  # the batch is full and one request waits
     monkeypatch.setattr(server.engine, "stats", lambda: {**stats(), **full})
     monkeypatch.setattr(server, "max_queue", 2)
     with pytest.raises(openai.RateLimitError):  # 1 + 2 waiting would be over 2: come back later
         client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="max-queue"):  # 3 never fit: no point retrying
-        client.completions.create(model="smollm2-135m", prompt="Hi", n=3, max_tokens=1)
-    full["num_running"] -= 2  # two free places in the batch: the next step admits both, so neither waits
+    with pytest.raises(openai.BadRequestError, match="max-queue"):  # 7 never fit in 4 + 2: no point retrying
+        client.completions.create(model="smollm2-135m", prompt="Hi", n=7, max_tokens=1)
+    full["num_running"] = 2  # two free places in the batch: of the three sequences only one waits
     client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
+    full["num_swapped"] = 1  # but none is admitted while one is swapped out: 1 + 1 + 2 wait
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model="smollm2-135m", prompt="Hi", n=2, max_tokens=1)
     monkeypatch.undo()
     client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1)  # /metrics shows the truth again
 
@@ -488,7 +495,7 @@ def test_cli_bad_values_one_line(capsys):
     for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
                  ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"],
                  ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"], ["--max-model-len", "1"],
-                 ["--dummy-weights", "--model-path", "x.gguf"], ["--device", "cuda:abc"], ["--host", ""],
+                 ["--dummy-weights", "--model-path", "x.gguf"], ["--device", "cuda:abc"],
                  ["--served-model-name", ""], ["--allowed-origins", "example.com"]):
         with pytest.raises(SystemExit) as e:
             main(argv)

@@ -291,6 +291,8 @@ def test_search_order(tmp_path, monkeypatch):
     monkeypatch.setenv("LANESERVE_MODELS", str(tmp_path / "models"))
     local = hf_dir(tmp_path / "models" / "llama3-8b")
     assert resolve_checkpoint("llama3-8b") == local
+    (tmp_path / "models" / "mine.gguf").write_bytes(b"")
+    assert resolve_checkpoint("mine.gguf") == str(tmp_path / "models" / "mine.gguf")  # a name, not a path
     explicit = tmp_path / "elsewhere.gguf"
     explicit.write_bytes(b"")
     assert resolve_checkpoint("llama3-8b", model_path=str(explicit)) == str(explicit)

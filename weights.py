@@ -68,7 +68,7 @@ _GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
 
 def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None) -> str:
     """Path of the checkpoint to load for `model` (a preset name, HF repo id or path); FileNotFoundError if none."""
-    a_path = os.path.exists(model) or model.startswith(("/", ".", "~")) or model.endswith(".gguf")  # not an HF id
+    a_path = os.path.exists(model) or model.startswith(("/", ".", "~"))  # neither a preset nor an HF id
     explicit = model_path or (os.path.expanduser(model) if a_path else None)
     if explicit:
         # An explicit path never falls through to some other checkpoint: that would silently serve the wrong model.
@@ -158,6 +158,8 @@ def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
         raise FileNotFoundError(f"{path} is not a checkpoint (a .gguf file or an HF safetensors directory)")
     try:
         config, state = (_load_gguf if found.endswith(".gguf") else _load_hf)(found, dtype, rank, size)
+    except (OSError, ImportError, MemoryError):
+        raise
     except Exception as e:  # ours, or numpy's, gguf's, safetensors' or json's on a damaged file: name the file
         raise ValueError(f"cannot load {found}: {e}") from e
     expected = weight_shapes(config, size)
