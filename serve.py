@@ -650,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                  (args.max_queue >= 1, "--max-queue must be >= 1"),
                  (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
                  (args.served_model_name != "", "--served-model-name must not be empty"),
-                 (all(o in ("*", "null") or re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", o) for o in args.allowed_origins),
+                 (all(o in ("*", "null") or re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", o)
+                      for o in args.allowed_origins),
                   "--allowed-origins takes scheme://host[:port] (no path), null or *")])
     except ValueError as e:
         parser.error(str(e))
