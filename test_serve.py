@@ -588,7 +588,11 @@ def test_tokenize_detokenize_version(server):
         assert status == 404 and json.loads(reply)["error"]["code"] == "model_not_found", (path, reply)
     assert request(server, "POST", "/tokenize", {"prompt": "x", "model": "smollm2-135m"})[0] == 200
     status, body = request(server, "GET", "/version")
-    assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("laneserve")
+    try:
+        installed = importlib.metadata.version("laneserve")
+    except importlib.metadata.PackageNotFoundError:  # a checkout run in place, as on the GPU machine
+        installed = "unknown"
+    assert status == 200 and json.loads(body)["version"] == installed
 
 
 def test_an_ipv6_host(tiny):

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import zipfile
 
 import gguf
@@ -249,6 +250,16 @@ def test_a_damaged_checkpoint_or_a_missing_path_is_named(tmp_path):
     for model, path in ((str(tmp_path / "nothing.gguf"), None), ("smollm2-135m", str(tmp_path / "nothing"))):
         with pytest.raises(FileNotFoundError, match="nothing.* does not exist"):
             resolve_checkpoint(model, path)
+
+
+def test_a_gguf_without_the_gguf_package_says_what_to_install(tmp_path):
+    # In a process of its own: this one's GGUF reader is cached (conftest.py).
+    write_gguf(tmp_path / "m.gguf", tiny_llama(False, False), {}, {})
+    code = ("import sys, weights\nsys.modules['gguf.gguf_reader'] = None  # importing it raises ImportError\n"
+            "try:\n    weights.load_weights(sys.argv[1])\nexcept ImportError as e:\n    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=120)
+    assert run.stdout.startswith("reading GGUF files needs the gguf package (pip install gguf): "), run
 
 
 def test_gguf_with_other_rope_freqs_is_refused(tmp_path):

@@ -181,7 +181,10 @@ def gguf_reader() -> type:
     """gguf's GGUFReader on a plain array view of the mapped file. Parsing slices the file once per item of its
     arrays (the vocabulary's 49,152 tokens and 48,900 merges), and np.memmap's Python hooks on every slice made
     that 2.9 s of a 4.3 s load; plain views take 0.7 s. Imported here: only GGUF files need gguf installed."""
-    from gguf.gguf_reader import GGUFReader
+    try:
+        from gguf.gguf_reader import GGUFReader
+    except ImportError as e:
+        raise ImportError(f"reading GGUF files needs the gguf package (pip install gguf): {e}") from e
 
     class Reader(GGUFReader):
         @property
