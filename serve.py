@@ -605,6 +605,7 @@ class Handler(BaseHTTPRequestHandler):
         except ApiError as e:
             if not streaming:
                 raise
+            self.log_info["error"] = e.status  # the status line said 200 before the stream failed
             self._event(e.body())
         finally:
             if unfinished := [rid for rid, i in index.items() if not (outputs[i] and outputs[i][-1].finished)]:

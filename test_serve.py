@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import importlib
 import importlib.metadata
+import io
 import json
 import os
 import re
@@ -673,6 +674,17 @@ def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
         assert time.monotonic() - began < 2
         m = wait_metrics(s, lambda m: m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0)
         assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0
+        # Streamed, the status line is out before the time is up: the error comes as an event, and the
+        # access log names it beside the 200.
+        s.log = log = io.StringIO()
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        events = conn.getresponse().read().decode()
+        assert "--request-timeout 0.5s" in events and events.endswith("data: [DONE]\n\n"), events
+        deadline = time.monotonic() + 5  # the line is written once the response is out
+        while not log.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert re.match(r'127\.0\.0\.1 "POST /v1/completions" 200 ttft=\S+ error=408 duration=', log.getvalue())
     finally:
         s.stop()
 
@@ -742,7 +754,6 @@ def test_echo_stop_token_ids_and_cached_tokens(tiny_server, tiny_client):
 
 
 def test_access_log_and_request_histograms(tiny_server, tiny_client):
-    import io
     tiny_server.log = log = io.StringIO()
     try:
         tiny_client.completions.create(model="tiny", prompt="Log me", max_tokens=3, extra_body={"ignore_eos": True})
