@@ -17,6 +17,17 @@ from config import EngineConfig
 from model import ModelConfig
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device, skipped without one (.ci/gpu runs -m cuda)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(pytest.mark.skip(reason="no CUDA device"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def read_each_checkpoint_once():
     load = functools.cache(weights.load_weights)

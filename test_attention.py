@@ -16,7 +16,6 @@ from model import BatchMeta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEVICE = "cuda"  # where the kernel tests put their tensors
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 # helpers
@@ -260,7 +259,7 @@ def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtyp
     torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (32, 8), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -271,7 +270,7 @@ def test_kernel_matches_reference(dtype, head_dim, heads, block_size):
     check_kernel(block_size + head_dim, lens, *heads, head_dim, block_size, dtype)
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64)], ids=["llama3-8b", "smollm2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_kernel_contexts_up_to_8192(dtype, shape):
@@ -279,14 +278,14 @@ def test_kernel_contexts_up_to_8192(dtype, shape):
     check_kernel(1, lens, *shape, 16, dtype)
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_kernel_long_contexts_use_partitions():
     # A lane of len tokens takes ceil(len / 512) splits, at most 64, so a split covers max(512, len / 64)
     # tokens; at 40000 and 131072 tokens they are 625 and 2048 long, starting mid-block.
     check_kernel(2, [1, 32768, 40000, 131072], 8, 2, 128, 16, torch.bfloat16)
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("given", [True, False], ids=["max_context_len", "None"])
 def test_kernel_lane_independent_of_batch(given):
     # A lane's split count comes from its own context, so its output is bitwise the same alone (in a
@@ -304,7 +303,7 @@ def test_kernel_lane_independent_of_batch(given):
         assert torch.equal(alone, together[i:i + 1]), f"lane {i} ({ctx} tokens)"
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_kernel_strided_query_and_empty_lane():
     # The query as a view into a fused QKV projection output; a padding lane (context 0) gives zeros.
     query, k_cache, v_cache, tables, lens, _ = make_batch(3, [(40, 1), (700, 1), (1, 1)], 9, 3, 64, 16, torch.bfloat16)
@@ -318,7 +317,7 @@ def test_kernel_strided_query_and_empty_lane():
     assert bool((out[2] == 0).all())
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_kernel_store_kv_exact(dtype):
     g = torch.Generator().manual_seed(4)
@@ -334,7 +333,7 @@ def test_kernel_store_kv_exact(dtype):
     assert torch.equal(k_dev.cpu(), expected_k) and torch.equal(v_dev.cpu(), expected_v)
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_kernel_argument_errors():
     query, k_cache, v_cache, tables, lens, _ = make_batch(5, [(20, 1), (3, 1)], 4, 2, 64, 16)
     q, k, v, t, n = (x.to(DEVICE) for x in (query, k_cache, v_cache, tables, lens))
@@ -367,7 +366,7 @@ def test_kernel_argument_errors():
             call()
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_kernel_replays_in_cuda_graph():
     # Decode on GPU runs under CUDA graphs: no host sync or host-side read of the inputs may hide
     # in the call, and a replay must see the inputs' new contents.
@@ -392,7 +391,7 @@ def test_kernel_replays_in_cuda_graph():
     torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[torch.bfloat16])
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_reference_runs_on_cuda_tensors():
     # model.py runs prefill through the reference on the GPU: same result as on CPU.
     lanes = [(1, 1), (37, 1), (50, 9), (7, 7)]

@@ -9,7 +9,7 @@ from engine import LLM
 from model import ModelConfig
 from sequence import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = pytest.mark.cuda
 
 HEAD_DIM_128 = ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=128, rope_theta=500000.0)
@@ -52,7 +52,9 @@ def test_prefix_hits_and_swapping_match_cpu(kwargs):
 
 def test_decode_step_waits_on_the_device_once():
     llm = LLM(model="smollm2-135m", dummy_weights=True, device="cuda", dtype="float32", num_kv_blocks=256)
-    for i, mode in enumerate([dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=1), dict(logprobs=2)]):
+    modes = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=1), dict(logprobs=2),
+             dict(temperature=0.8, top_k=5, seed=2)]
+    for i, mode in enumerate(modes):
         llm.add_request(PROMPTS[i], SamplingParams(max_tokens=8, ignore_eos=True, **mode))
     llm.step()  # the prefill
     torch.cuda.set_sync_debug_mode("warn")
