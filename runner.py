@@ -319,11 +319,16 @@ def send(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """A token drawn from softmax(row) after top-k, min-p and top-p. NaN becomes 0 first: a device
     cannot raise for one row (a CUDA assert would end every sequence), and sample() flags the row."""
-    row, ids = row.nan_to_num(), None  # ids: the vocabulary ids of probs' entries, once top-p reorders them
+    row, ids = row.nan_to_num(), None  # ids: the vocabulary ids of row's entries, when not all of them
     if 0 < p.top_k < len(row):
-        # The others get probability 0; ties with the k-th stay, as in vLLM. Masked, not gathered: how
-        # many tie would have to be read back from a GPU.
-        row = row.masked_fill(row < row.topk(p.top_k).values[-1], float("-inf"))
+        # The others get probability 0; ties with the k-th stay, as in vLLM. On CPU draw among these alone
+        # (faster, README); on a GPU mask the others instead: how many tie would have to be read back.
+        keep = row >= row.topk(p.top_k).values[-1]
+        if row.is_cuda:
+            row = row.masked_fill(~keep, float("-inf"))
+        else:
+            ids = keep.nonzero()[:, 0]
+            row = row[ids]
     probs = row.softmax(-1)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
@@ -338,7 +343,7 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
         # that rounds to 0 in float32 would drop it too).
         drop = head.cumsum(-1) - head >= p.top_p
         drop[0].fill_(False)  # not `= False`, which copies from the host and waits on a GPU
-        probs, ids = head.masked_fill(drop, 0), order
+        probs, ids = head.masked_fill(drop, 0), order if ids is None else ids[order]
     # Inverse CDF, one uniform u in (0, 1] per draw (torch.multinomial draws one per vocabulary entry): the
     # first token whose cumulative mass reaches u * total, never one of mass 0 (it adds nothing to the sum).
     cdf = probs.double().cumsum(0)
