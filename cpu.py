@@ -64,7 +64,7 @@ def keep_freed_memory() -> None:
     the trim threshold keeps the heap's free top; the process stays at its peak size. A thread other than the main one
     (the server's engine thread) allocates from heaps of at most 64 MiB, which glibc unmaps once empty whatever the trim
     threshold: in a fragmented one, every tensor that fits no hole mapped a new heap and its free unmapped it again
-    (a server's decode 30% slower after an hour of mixed load). The top pad keeps 64 MiB beyond the top: no churn."""
+    (a server's decode 30% slower after 8 minutes of mixed load). The top pad keeps 64 MiB beyond the top: no churn."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):

@@ -219,26 +219,20 @@ class LLM(Engine):
             raise ValueError(f"prompts: a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
         if not isinstance(sampling_params, (list, tuple)):
-            default = SamplingParams(**self.sampling_defaults) if sampling_params is None else sampling_params
-            sampling_params = [default] * len(prompts)
+            sampling_params = [sampling_params] * len(prompts)  # None: add_request's defaults
         require([(len(sampling_params) == len(prompts),
                   f"{len(prompts)} prompts but {len(sampling_params)} sampling params"),
                  # Its step loop would take their outputs, which the caller of add_request expects from step().
                  (not self.has_unfinished(), "generate() runs alone: finish (step) or abort the requests added "
                                              "with add_request first")])
         ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, sampling_params):
                 ids.append(self.add_request(p, sp))
-        except Exception:  # all or nothing: a bad prompt leaves no request of its batch behind
-            for i in ids:
-                self.abort(i)
-            raise
-        done: dict[str, RequestOutput] = {}
-        try:
             while len(done) < len(ids):
                 done |= {out.request_id: out for out in self.step() if out.finished}
-        except BaseException:  # Ctrl-C, say: the requests it added must not stay queued, unseen
+        except BaseException:  # a bad prompt, or Ctrl-C mid-run: no request of this call stays queued, unseen
             for i in ids:
                 self.abort(i)
             raise
