@@ -30,8 +30,9 @@ def slots(block_table: list[int], block_size: int, start: int, end: int) -> list
 
 class KVCache:
     """The physical tensors: per layer, k and v of shape [num_blocks, block_size, kv_heads, head_dim],
-    plus the same layout on the host for swapped-out sequences. Zero-initialised so that masked-out
-    padding reads in attention are finite."""
+    plus the same layout on the host for swapped-out sequences. The device's are zero-initialised so that
+    masked-out padding reads in attention are finite; the host's are not: a swap-in reads only whole blocks
+    a swap-out wrote, so the swap space (4 GiB by default) takes no memory until sequences are swapped."""
 
     def __init__(self, kv: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_swap_blocks: int = 0):
@@ -39,7 +40,7 @@ class KVCache:
         self.layers = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
                        for _ in range(kv.num_layers)]
         self.pinned = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
-        self.host = [tuple(torch.zeros((num_swap_blocks, *shape[1:]), dtype=dtype, pin_memory=self.pinned)
+        self.host = [tuple(torch.empty((num_swap_blocks, *shape[1:]), dtype=dtype, pin_memory=self.pinned)
                            for _ in "kv") for _ in range(kv.num_layers)] if num_swap_blocks else []
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:

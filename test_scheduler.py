@@ -1,6 +1,7 @@
 """The scheduler under pressure: preemption (recompute and swap), prefix caching, static mode,
 stop strings, logprobs and configuration checks, all through the real engine."""
 import hashlib
+import os
 import random
 from array import array
 from dataclasses import replace
@@ -238,6 +239,22 @@ def test_prefix_cache_shares_prompt_blocks_only(tiny):
     out = llm.generate([second], greedy)[0]
     assert out.num_cached_tokens == 32
     assert out.token_ids == LLM(**knobs).generate([second], greedy)[0].token_ids
+
+
+def test_swap_space_takes_no_memory_until_used():
+    # 1 GiB of swap space for a tiny model: its pages are mapped only once swapped blocks are written.
+    kv = KVShape(2, 1, 4)
+    blocks = 2**30 // kv.bytes_per_block(2, torch.float32)
+    before = resident_bytes()
+    cache = KVCache(kv, num_blocks=2, block_size=2, dtype=torch.float32, device="cpu", num_swap_blocks=blocks)
+    assert resident_bytes() - before < 2**26
+    cache.swap([(0, blocks - 1)], [])
+    assert resident_bytes() - before < 2**26
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_swap_copies_out_before_in():
