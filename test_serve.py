@@ -107,6 +107,61 @@ def test_health_models_and_metrics(server):
         assert f'vllm:{name}_bucket{{model_name="smollm2-135m",le="{top}"}}' in text  # vLLM's bounds
 
 
+def test_a_connection_numbered_past_1024_is_served(server):
+    """A server holding a thousand connections gets socket descriptors of 1024 and more, which select()
+    cannot watch: such a request, streamed or not, is served like any other."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open only {hard} files: no descriptor reaches 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:  # the server's next sockets come after these
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        status, body = request(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert status == 200, body
+        status, body = request(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True})
+        assert status == 200 and body.decode().endswith("data: [DONE]\n\n"), body
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_waiting_request_wakes_its_thread_once_a_second(monkeypatch):
+    """A request waiting for a place in the batch wakes its handler thread about once a second: 600 waiting
+    ones waking ten times a second each slowed the running streams by a quarter."""
+    import queue
+    timeouts = []
+
+    class Counted(queue.Queue):  # the handlers' reply queues: a get that times out is a wake-up for nothing
+        def get(self, block=True, timeout=None):
+            try:
+                return super().get(block, timeout)
+            except queue.Empty:
+                if block and timeout is not None:
+                    timeouts.append(time.monotonic())
+                raise
+    monkeypatch.setattr(queue, "Queue", Counted)
+    with serving_tiny(max_num_seqs=1, log_requests=False) as s:
+        running = http.client.HTTPConnection(s.host, s.port, timeout=60)
+        running.request("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokens": 8000, "stream": True,
+                                                               "ignore_eos": True}))
+        events = running.getresponse()
+        events.readline()  # it runs: the next request waits
+        waiting = threading.Thread(target=request, args=(s, "POST", "/v1/completions", {"prompt": "b", "max_tokens": 2}))
+        waiting.start()
+        assert wait_metrics(s, lambda m: m["num_requests_waiting"] == 1)["num_requests_waiting"] == 1
+        began = time.monotonic()
+        time.sleep(2.5)
+        woke = [t for t in timeouts if t > began]
+        running.close()  # the stream's request ends; the waiting one runs
+        waiting.join(30)
+        assert not waiting.is_alive()
+    assert 1 <= len(woke) <= 4, woke
+
+
 def test_chat(server, client):
     before = metrics(server)
     r = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0,
