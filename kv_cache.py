@@ -32,7 +32,8 @@ class KVCache:
     """The physical tensors: per layer, k and v of shape [num_blocks, block_size, kv_heads, head_dim],
     plus the same layout on the host for swapped-out sequences. The device's are zero-initialised so that
     masked-out padding reads in attention are finite; the host's are not: a swap-in reads only whole blocks
-    a swap-out wrote, so the swap space (4 GiB by default) takes no memory until sequences are swapped."""
+    a swap-out wrote, so on CPU the swap space (4 GiB by default) takes memory only as sequences are swapped
+    out (pinned memory for a GPU is locked at once)."""
 
     def __init__(self, kv: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_swap_blocks: int = 0):
