@@ -150,7 +150,8 @@ def test_a_waiting_request_wakes_its_thread_once_a_second(monkeypatch):
                                                                "ignore_eos": True}))
         events = running.getresponse()
         events.readline()  # it runs: the next request waits
-        waiting = threading.Thread(target=request, args=(s, "POST", "/v1/completions", {"prompt": "b", "max_tokens": 2}))
+        waiting = threading.Thread(target=request,
+                                   args=(s, "POST", "/v1/completions", {"prompt": "b", "max_tokens": 2}))
         waiting.start()
         assert wait_metrics(s, lambda m: m["num_requests_waiting"] == 1)["num_requests_waiting"] == 1
         began = time.monotonic()
