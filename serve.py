@@ -120,6 +120,8 @@ class Server:
         self.stopped = False
         self._httpd: HTTPServer | None = None
         self._threads: list[threading.Thread] = []
+        self.handling = 0  # requests being answered (not idle keep-alive connections)
+        self._handled = threading.Condition()
 
     def start(self) -> None:
         """Bind and serve at once; the model loads on the engine thread (/health answers 503 until then)."""
@@ -149,6 +151,9 @@ class Server:
         if self._ready.is_set():  # a load in progress cannot be interrupted; its daemon thread dies with us
             for t in self._threads:
                 t.join(timeout=30)
+        # The request threads die with the process: let them write the answers they hold (the 503s too).
+        with self._handled:
+            self._handled.wait_for(lambda: not self.handling, timeout=5)
 
     def submit(self, item: Submit | list[str]) -> None:
         """Sequences to add, or request ids to abort; any thread."""
@@ -305,6 +310,17 @@ class Handler(BaseHTTPRequestHandler):
         return origin if origin and ("*" in allowed or origin in allowed) else None
 
     def do_GET(self) -> None:
+        app = self.app
+        with app._handled:
+            app.handling += 1
+        try:
+            self._answer()
+        finally:
+            with app._handled:
+                app.handling -= 1
+                app._handled.notify_all()
+
+    def _answer(self) -> None:
         began, self.status, self.log_info = time.monotonic(), 0, {}
         if self.command == "OPTIONS" and self._origin() and self.headers.get("Access-Control-Request-Method"):
             # A browser's CORS preflight (it carries no API key): which methods and headers the request may use.

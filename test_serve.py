@@ -3,6 +3,7 @@ strings, logprobs; 64 concurrent streams with disconnects; hostile inputs; conti
 outside; the CLI. One in-process server on loopback serves most tests."""
 import argparse
 import asyncio
+import collections
 import http.client
 import importlib
 import importlib.metadata
@@ -609,8 +610,31 @@ def test_cli_serves_and_stops_on_sigterm():
                                                             "ignore_eos": True}))
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
+        # Nor do 400 more requests, waiting or being read in: each still gets its whole answer, a 503 (in
+        # the stream, for one streamed), before the process ends.
+        answers = []
+
+        def send(stream: bool) -> None:
+            c = http.client.HTTPConnection(host, int(port), timeout=60)
+            try:
+                c.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 400, "stream": stream}))
+                got = c.getresponse()
+                body = got.read()
+                answers.append((got.status, not stream or got.status != 200 or body.endswith(b"data: [DONE]\n\n")))
+            except OSError as e:  # such as a connection closed before the answer
+                answers.append((type(e).__name__, False))
+        clients = [threading.Thread(target=send, args=(i % 2 == 0,)) for i in range(400)]
+        for c in clients:
+            c.start()
+        time.sleep(1)
         p.send_signal(signal.SIGTERM)
+        rest = r.read()
+        assert b'"error"' in rest and rest.endswith(b"data: [DONE]\n\n"), rest[-300:]
         assert p.wait(30) == 0
+        for c in clients:
+            c.join(30)
+        assert len(answers) == 400 and all(status in (200, 503) and whole for status, whole in answers), \
+            collections.Counter(answers)
         assert "Traceback" not in p.stderr.read()
     finally:
         p.kill()
