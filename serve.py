@@ -121,7 +121,7 @@ class Server:
         self._httpd: HTTPServer | None = None
         self._threads: list[threading.Thread] = []
         self.handling = 0  # requests being answered (not idle keep-alive connections)
-        self.handled = threading.Condition()
+        self.handling_changed = threading.Condition()
 
     def start(self) -> None:
         """Bind and serve at once; the model loads on the engine thread (/health answers 503 until then)."""
@@ -152,8 +152,8 @@ class Server:
             for t in self._threads:
                 t.join(timeout=30)
         # The request threads die with the process: let them write the answers they hold (the 503s too).
-        with self.handled:
-            self.handled.wait_for(lambda: not self.handling, timeout=5)
+        with self.handling_changed:
+            self.handling_changed.wait_for(lambda: not self.handling, timeout=5)
 
     def submit(self, item: Submit | list[str]) -> None:
         """Sequences to add, or request ids to abort; any thread."""
@@ -311,14 +311,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         app = self.app
-        with app.handled:
+        with app.handling_changed:
             app.handling += 1
         try:
             self._answer()
         finally:
-            with app.handled:
+            with app.handling_changed:
                 app.handling -= 1
-                app.handled.notify_all()
+                app.handling_changed.notify_all()
 
     def _answer(self) -> None:
         began, self.status, self.log_info = time.monotonic(), 0, {}
@@ -549,6 +549,7 @@ class Handler(BaseHTTPRequestHandler):
                     raise ConnectionAbortedError("the client closed its connection")
                 self.checked = time.monotonic()
             try:
+                # Past the deadline by 10 ms, so that the check above sees it passed.
                 item = replies.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.0) + 0.01))
             except queue.Empty:
                 continue

@@ -245,7 +245,7 @@ print(out[0])
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_memory_stays_in_a_fragmented_thread_heap():
-    # The server steps on a thread of its own. Once that thread's heap is fragmented (an hour of mixed
+    # The server steps on a thread of its own. Once that thread's heap is fragmented (8 minutes of mixed
     # load), a tensor that fits no hole must not map a fresh heap that its free unmaps again: every page
     # faulted in anew, each step (decode 30% slower).
     run = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP], capture_output=True, text=True, timeout=120,
