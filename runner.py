@@ -134,14 +134,18 @@ class ModelRunner:
 
     def _profile_steps(self) -> list[list[tuple[Sequence, int]]]:
         """The steps whose activations peak highest: a prefill chunk of the whole token budget ending a max_model_len
-        context (attending to every key), and max_num_seqs decodes there; all on block 0 (values do not matter)."""
+        context (attending to every key), and max_num_seqs decodes there; all on block 0 (values do not matter).
+        A chunk after cached tokens takes SDPA's masked path, which can cost more than a whole prompt's causal one
+        (GQA with a mask may fall back to the math backend: [heads, chunk, context] scores); when the budget holds
+        a whole max_model_len prompt, a chunk one token shorter is profiled too."""
         c, length = self.config, self.max_model_len
         ids, table = [0] * length, [0] * -(-length // c.block_size)  # shared: only their lengths are read
 
         def seq(n: int) -> tuple[Sequence, int]:
             s = Sequence("profile", ids, SamplingParams(), block_table=table, num_computed_tokens=length - n)
             return s, n
-        return [[seq(min(c.max_num_batched_tokens, length))], [seq(1) for _ in range(c.max_num_seqs)]]
+        chunks = sorted({min(c.max_num_batched_tokens, n) for n in (length, length - 1)}, reverse=True)
+        return [[seq(n)] for n in chunks] + [[seq(1) for _ in range(c.max_num_seqs)]]
 
     def _profile_peak_memory(self, kv: KVShape) -> int:
         """GPU bytes the worst step allocates beyond those in use before (weights): what the KV pool must leave free."""

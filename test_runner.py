@@ -138,8 +138,12 @@ def test_profile_covers_the_worst_steps(tiny):
     chunk, decodes = llm.runner._profile_steps()
     assert [(s.num_computed_tokens + n, n) for s, n in chunk] == [(300, 96)]
     assert [(s.num_computed_tokens + n, n) for s, n in decodes] == [(300, 1)] * 5
+    # A budget that holds a whole prompt: the whole prompt (causal), and a chunk after one cached token, which
+    # takes the masked path (a prefix hit, or a prompt whose first chunk shared a step's budget).
+    whole, after_cached, _ = engine(tiny, max_model_len=300, max_num_batched_tokens=512).runner._profile_steps()
+    assert [[(s.num_computed_tokens, n) for s, n in step] for step in (whole, after_cached)] == [[(0, 300)], [(1, 299)]]
     r = llm.runner
-    for step in (chunk, decodes):
+    for step in (chunk, after_cached, decodes):
         ids, pos, meta, sampled = r.prepare(step)
         scratch = [tuple(t[:1] for t in layer) for layer in r.kv_cache.layers]  # one block, as on the GPU
         assert r.model(ids, pos, meta, scratch).shape == (len(step), llm.model_config.vocab_size)
