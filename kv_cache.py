@@ -33,7 +33,9 @@ class KVCache:
     plus the same layout on the host for swapped-out sequences. The device's are zero-initialised so that
     masked-out padding reads in attention are finite; the host's are not: a swap-in reads only whole blocks
     a swap-out wrote, so on CPU the swap space (4 GiB by default) takes memory only as sequences are swapped
-    out (pinned memory for a GPU is locked at once)."""
+    out (pinned memory for a GPU is locked at once). The swap space is one allocation, viewed per layer:
+    torch's pinned-memory allocator rounds each allocation up to a power of two, which would lock up to
+    twice the swap space if every layer's K and V were allocated on their own."""
 
     def __init__(self, kv: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_swap_blocks: int = 0):
@@ -41,8 +43,8 @@ class KVCache:
         self.layers = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
                        for _ in range(kv.num_layers)]
         self.pinned = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
-        self.host = [tuple(torch.empty((num_swap_blocks, *shape[1:]), dtype=dtype, pin_memory=self.pinned)
-                           for _ in "kv") for _ in range(kv.num_layers)] if num_swap_blocks else []
+        host = torch.empty((kv.num_layers, 2, num_swap_blocks, *shape[1:]), dtype=dtype, pin_memory=self.pinned)
+        self.host = [(k, v) for k, v in host] if num_swap_blocks else []
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
         """Copy (device block -> host block) pairs out, then (host block -> device block) pairs in.

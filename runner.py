@@ -113,6 +113,7 @@ class ModelRunner:
         if c.num_kv_blocks is not None:
             self.num_kv_blocks = c.num_kv_blocks
         elif self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks torch freed while loading would count as in use
             free, total = torch.cuda.mem_get_info(self.device)
             peak = self._profile_peak_memory(kv)
             self.num_kv_blocks = kv_cache_bytes(total, free, peak, c.gpu_memory_utilization) // per_block
@@ -375,6 +376,9 @@ class DecodeGraphs:
             query_lens=[1] * n, host_context_lens=[], prompt_lens=[])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        # Captured on a stream of our own device: torch.cuda.graph's default stream is made once per process, on
+        # the device current then, and a capture there would miss this device's work (engines on two GPUs).
+        stream = torch.cuda.Stream(dev)
         m = self.meta
         for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
             meta = BatchMeta(m.slot_mapping[:size], m.block_tables[:size], m.context_lens[:size],
@@ -382,7 +386,7 @@ class DecodeGraphs:
             args = (self.ids[:size], self.pos[:size], meta, runner.kv_cache.layers)
             runner.model(*args)  # warm up: lazy initialisation must not happen during capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = runner.model(*args)
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(dev)

@@ -63,16 +63,17 @@ def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
         def replay(self):
             self.logits.copy_(self.call())
 
-    capturing = []
+    capturing, streams = [], []
 
     @contextlib.contextmanager
-    def capture(graph, pool=None):
+    def capture(graph, pool=None, stream=None):
         capturing.append(graph)
+        streams.append(stream)
         yield
         capturing.pop()
 
     for name, value in [("CUDAGraph", Graph), ("graph", capture), ("graph_pool_handle", lambda: None),
-                        ("synchronize", lambda device=None: None)]:
+                        ("synchronize", lambda device=None: None), ("Stream", lambda device: ("stream", device))]:
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(cpu, "optimize", lambda *args: None)
     replayed = []  # batch sizes
@@ -99,6 +100,8 @@ def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
             llm.runner.model.forward = recording
             llm.runner.graphs = runner.DecodeGraphs(llm.runner)
             assert llm.runner.graphs.sizes == [1, 2, 4, 5]
+            # Every capture on one stream of the runner's own device (torch's default one may be another's).
+            assert streams == [("stream", llm.runner.device)] * 4
         prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + 11 * i)] for i in range(9)]  # 3 to 91 tokens
         return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
                                                                            ignore_eos=True))]
