@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 from multiprocessing.connection import wait
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,9 @@ class TensorParallel:
         if device_type == "cpu":  # the ranks share this machine's cores
             torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_size))
         self.failure: str | None = None
+        # Run by close() before the group is destroyed: NCCL's destroy waits until every CUDA graph that captured
+        # its kernels is gone (a hang at exit otherwise), so the runner frees its graphs here.
+        self.on_close: list[Callable[[], None]] = []
         self.workers: list[mp.Process] = []
         self.watcher: threading.Thread | None = None
         self.started = self.closed = False
@@ -140,6 +144,8 @@ class TensorParallel:
         self._end_workers()
         if self.watcher:  # it may be reaping a worker too: until it has recorded the exit, is_alive() says yes
             self.watcher.join()
+        for release in self.on_close:
+            release()
         if dist.is_initialized():  # not if joining failed
             dist.destroy_process_group()
         atexit.unregister(self.close)

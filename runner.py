@@ -132,6 +132,8 @@ class ModelRunner:
                              f"of {per_block} bytes (--num-kv-blocks, --kv-cache-memory, --swap-space): "
                              f"{str(e).splitlines()[0][:200]}") from None
         self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and not c.enforce_eager else None
+        if self.graphs and self.tp:  # they hold the NCCL communicator: gone before it is destroyed
+            self.tp.on_close.append(self.graphs.graphs.clear)
 
     def _profile_steps(self) -> list[list[tuple[Sequence, int]]]:
         """The steps whose activations peak highest: a prefill chunk of the whole token budget ending a max_model_len

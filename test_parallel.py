@@ -66,8 +66,12 @@ def test_tp_gives_tp1_tokens_and_lanes_never_mix(preset, kv_heads, tp):
         params = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
         requests = [(p, params) for p in PROMPTS]
         assert test_lanes.run(llm, requests) == test_lanes.alone(llm, requests)
+        # What must go before the group (CUDA graphs holding NCCL's communicator) goes while it still exists.
+        released = []
+        llm.runner.tp.on_close.append(lambda: released.append(torch.distributed.is_initialized()))
     finally:
         llm.close()
+    assert released == [True]
 
 
 def test_tp3_gives_tp1_tokens_on_the_default_models_weights(smollm2_4_layers):
