@@ -43,8 +43,9 @@ class KVCache:
         self.layers = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
                        for _ in range(kv.num_layers)]
         self.pinned = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
-        host = torch.empty((kv.num_layers, 2, num_swap_blocks, *shape[1:]), dtype=dtype, pin_memory=self.pinned)
-        self.host = [(k, v) for k, v in host] if num_swap_blocks else []
+        swap_shape = (kv.num_layers, 2, num_swap_blocks, *shape[1:])  # one allocation: see above
+        self.host = [tuple(layer) for layer in torch.empty(swap_shape, dtype=dtype, pin_memory=self.pinned)] \
+            if num_swap_blocks else []
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
         """Copy (device block -> host block) pairs out, then (host block -> device block) pairs in.
