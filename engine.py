@@ -139,10 +139,13 @@ class Engine:
         began = time.perf_counter()
         if self.failure:
             raise WorkerFailure(self.failure)
+        ended = []
+        if self.held and not self.scheduler.running:  # static mode: aborts ended the batch; it answers before the next
+            ended, self.held = self.held, []
         out = self.scheduler.schedule()
         sampled = self.runner.run(out.scheduled, out.swap_out, out.swap_in)
         if not out.scheduled:
-            return []
+            return ended
         for seq, n in out.scheduled:
             if seq.queue_time is None:
                 seq.queue_time = time.monotonic() - seq.arrival_time
@@ -164,7 +167,7 @@ class Engine:
             outputs = [o for o in outputs if not o.finished]
             if not self.scheduler.running:
                 outputs, self.held = outputs + self.held, []
-        return outputs
+        return ended + outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)

@@ -142,6 +142,21 @@ def test_static_mode_gives_nothing_for_an_aborted_request(tiny):
     assert [o.request_id for o in outs] == ["long"] * 4
 
 
+@pytest.mark.parametrize("next_batch", [False, True])
+def test_static_batch_ended_by_an_abort_answers_at_once(tiny, next_batch):
+    # Its last running sequence aborted, a batch is over: the results it held go out at the next step (they
+    # waited forever when nothing else came; else until the next batch's end), not with a later batch.
+    llm = LLM(model=tiny, dummy_weights=True, device="cpu", scheduling="static", num_kv_blocks=16)
+    llm.add_request([1, 2], SamplingParams(max_tokens=1, ignore_eos=True), "short")
+    llm.add_request([1, 2], SamplingParams(max_tokens=5, ignore_eos=True), "long")
+    assert [o.request_id for o in llm.step()] == ["long"]
+    llm.abort("long")
+    if next_batch:
+        llm.add_request([3, 4], SamplingParams(max_tokens=3, ignore_eos=True), "next")
+    assert [(o.request_id, o.finished) for o in llm.step()] == [("short", True)] + [("next", False)] * next_batch
+    assert llm.has_unfinished() == next_batch
+
+
 def test_stop_string_across_tokens(roomy):
     prompt = roomy.tokenizer.apply_chat_template([{"role": "user", "content": "Write two sentences about the ocean."}])
     free = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
