@@ -139,8 +139,8 @@ class Engine:
         began = time.perf_counter()
         if self.failure:
             raise WorkerFailure(self.failure)
-        ended = []
-        if self.held and not self.scheduler.running:  # static mode: aborts ended the batch; it answers before the next
+        ended = []  # static mode: aborts ended the batch; what it held goes out before the next batch starts
+        if self.held and not self.scheduler.running:
             ended, self.held = self.held, []
         out = self.scheduler.schedule()
         sampled = self.runner.run(out.scheduled, out.swap_out, out.swap_in)
