@@ -247,12 +247,13 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
                False, True)
 
 
-# Besides the drawn examples, two that surely preempt, and two aborts in a static batch. In the first, 7 requests of 60-120 tokens need more
-# than 24 blocks: the swap space (8 blocks) takes the first victims, and the second abort hits a swapped-out
-# sequence. In the second, three prompts of about 190 tokens need 3 * 14 blocks: recomputed over and over,
-# and the abort hits a waiting one. In the third, a static batch's short request has finished, its output
-# held until the batch ends, when the abort hits it. In the fourth, the abort hits the batch's running one
-# instead, which ends the batch: the held output must come out (it was held forever, found by seed 4242).
+# Besides the drawn examples, two that surely preempt, and two aborts in a static batch. In the first,
+# 7 requests of 60-120 tokens need more than 24 blocks: the swap space (8 blocks) takes the first victims,
+# and the second abort hits a swapped-out sequence. In the second, three prompts of about 190 tokens need
+# 3 * 14 blocks: recomputed over and over, and the abort hits a waiting one. In the third, a static batch's
+# short request has finished, its output held until the batch ends, when the abort hits it. In the fourth,
+# the abort hits the batch's running one instead, which ends the batch: the held output must come out (it
+# was held forever, found by seed 4242).
 @example(dtype="float32", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=12,
                                      enable_prefix_caching=True, preemption=("swap", 0.0004),
                                      scheduling="continuous"),
@@ -301,6 +302,5 @@ def test_the_fuzz_reached_every_path():
         pytest.skip("the fuzz tests did not run in this session")
     print(dict(TALLY))
     for path in ("preemptions recompute", "preemptions swap", "swapped", "preempted after decoding", "prefix hits",
-                 "abort running", "abort waiting", "abort swapped",
-                 "abort held"):
+                 "abort running", "abort waiting", "abort swapped", "abort held"):
         assert TALLY[path] > 0, path

@@ -10,7 +10,9 @@ import importlib.metadata
 import io
 import json
 import os
+import queue
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -111,7 +113,6 @@ def test_health_models_and_metrics(server):
 def test_a_connection_numbered_past_1024_is_served(server):
     """A server holding a thousand connections gets socket descriptors of 1024 and more, which select()
     cannot watch: such a request, streamed or not, is served like any other."""
-    import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:
         pytest.skip(f"this process may open only {hard} files: no descriptor reaches 1024")
@@ -133,7 +134,6 @@ def test_a_connection_numbered_past_1024_is_served(server):
 def test_a_waiting_request_wakes_its_thread_once_a_second(monkeypatch):
     """A request waiting for a place in the batch wakes its handler thread about once a second: 600 waiting
     ones waking ten times a second each slowed the running streams by a quarter."""
-    import queue
     timeouts = []
 
     class Counted(queue.Queue):  # the handlers' reply queues: a get that times out is a wake-up for nothing
