@@ -30,6 +30,7 @@ setup(
     name="laneserve",
     version="0.1.0",
     description="A minimalist LLM inference engine: continuous batching, paged KV, chunked prefill",
+    license="MIT",
     python_requires=">=3.10",
     py_modules=MODULES,
     packages=["attention_cuda"],

@@ -1,8 +1,10 @@
 """The live page at / and the step events it draws from (/v1/engine/steps): the events' format, bounded
 memory under a watcher that never reads, auth; then the page itself in headless Chromium (Debian's
 chromium and chromium-driver, driven by selenium) against a real server: no console error, a chat that
-streams and stops, 8 concurrent requests filling the lanes panel and reusing a freed slot, the KV panel
-all free afterwards, and a screenshot."""
+streams and stops, 8 concurrent requests filling the lanes panel and reusing a freed slot (the 3 the page
+holds back shown as queued in the browser), gauges that go idle, the KV panel all free afterwards, and a
+screenshot; a chat that leaves sampling to the server's defaults and marks a reply cut at max_tokens; the
+KV map readable from 100 to 100,000 blocks."""
 import collections
 import http.client
 import json
@@ -130,37 +132,131 @@ def attr(driver, element_id: str, name: str) -> int:
     return int(driver.find_element("id", element_id).get_attribute(f"data-{name}"))
 
 
+def text(driver, element_id: str) -> str:
+    return driver.find_element("id", element_id).text
+
+
+def open_page(driver, server):
+    driver.get(server.url + "/")
+    wait(driver, lambda d: text(d, "model") == "tiny")
+
+
+def chat(driver, prompt: str, max_tokens: int):
+    """Sends a chat and waits for its stats line; the reply's bubble."""
+    before = len(driver.find_elements("css selector", ".msg.assistant .meta"))
+    driver.find_element("id", "max-tokens").clear()
+    driver.find_element("id", "max-tokens").send_keys(str(max_tokens))
+    driver.find_element("id", "prompt").send_keys(prompt)
+    driver.find_element("id", "send").click()
+    wait(driver, lambda d: len(d.find_elements("css selector", ".msg.assistant .meta")) > before)
+    return driver.find_elements("css selector", ".msg.assistant")[-1]
+
+
 def test_page_in_a_real_browser(server, browser, tmp_path):
     d = browser
-    d.get(server.url + "/")
-    wait(d, lambda d: d.find_element("id", "model").text == "tiny")
+    open_page(d, server)
+    assert text(d, "g-step") == "idle" and text(d, "g-tps") == "0"
     # A chat streams into the page, with its TTFT and tok/s once done.
-    d.find_element("id", "max-tokens").clear()
-    d.find_element("id", "max-tokens").send_keys("24")
-    d.find_element("id", "prompt").send_keys("Hello there")
-    d.find_element("id", "send").click()
-    reply = wait(d, lambda d: d.find_elements("css selector", ".msg.assistant .meta"))[0]
+    bubble = chat(d, "Hello there", 24)
+    reply = bubble.find_element("css selector", ".meta")
     assert "TTFT" in reply.text and "tok/s" in reply.text
-    assert d.find_element("css selector", ".msg.assistant").text.strip() != reply.text
+    assert bubble.text.strip() != reply.text
     # Stop: a long reply aborted mid-stream frees its lane at once.
     d.find_element("id", "max-tokens").clear()
     d.find_element("id", "max-tokens").send_keys("1900")
     d.find_element("id", "prompt").send_keys("Go on")
     d.find_element("id", "send").click()
     wait(d, lambda d: len(d.find_elements("css selector", ".msg.assistant")[-1].text) > 20)
+    wait(d, lambda d: text(d, "g-step").endswith(" ms") and text(d, "g-tps") != "0", timeout=10)  # busy
     d.find_element("id", "stop").click()
     wait(d, lambda d: "stopped" in d.find_elements("css selector", ".msg.assistant .meta")[-1].text)
     m = wait_metrics(server, lambda m: m["num_requests_running"] == 0, timeout=5)
     assert m["num_requests_running"] == 0 and m["kv_cache_usage_perc"] == 0
-    # 8 concurrent chats on 4 slots: at least 8 lanes drawn, a freed slot taken by a new lane.
+    wait(d, lambda d: text(d, "g-step") == "idle" and text(d, "g-tps") == "0", timeout=5)
+    # 8 concurrent chats on 4 slots: at least 8 lanes drawn, a freed slot taken by a new lane. The page sends
+    # 5 at once (the step stream holds a sixth connection) and says the other 3 wait in the browser.
     before = attr(d, "lane-stats", "lanes")
     d.find_element("id", "fire").click()
-    wait(d, lambda d: attr(d, "lane-stats", "lanes") >= before + 8 and attr(d, "lane-stats", "reused") >= 1)
+    assert text(d, "g-browser") == "3" and "3 queued in browser" in text(d, "load-status")
+    seen = []  # (running, waiting) as the header shows them
+    while not (attr(d, "lane-stats", "lanes") >= before + 8 and attr(d, "lane-stats", "reused") >= 1):
+        seen.append((int(text(d, "g-running")), int(text(d, "g-waiting"))))
+        time.sleep(0.05)
+    assert max(r + w for r, w in seen) <= 5
     d.save_screenshot(str(tmp_path / "page.png"))
-    wait(d, lambda d: "8 of 8 done" in d.find_element("id", "load-status").text)
+    wait(d, lambda d: "8 of 8 done" in text(d, "load-status"))
+    assert text(d, "g-browser") == "0"
     wait(d, lambda d: attr(d, "kv-stats", "used") == 0, timeout=10)
+    # The load over, the gauges say so rather than keep the last step's numbers.
+    wait(d, lambda d: text(d, "g-step") == "idle" and text(d, "g-tps") == "0" and text(d, "g-running") == "0",
+         timeout=3)
     assert os.path.getsize(tmp_path / "page.png") > 10_000
     print(f"screenshot: {tmp_path / 'page.png'}")
     assert 0 < attr(d, "lanes", "rows") <= 300
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
+
+
+RECORD_BODIES = """window.sentBodies = [];
+const original = window.fetch;
+window.fetch = (url, options) => {
+  if (options && options.body) sentBodies.push(JSON.parse(options.body));
+  return original(url, options);
+};"""
+
+
+def test_chat_leaves_sampling_to_the_server_and_marks_a_reply_cut_at_max_tokens(server, browser):
+    d = browser
+    open_page(d, server)
+    d.execute_script(RECORD_BODIES)
+    for field in ("temperature", "top-p"):
+        element = d.find_element("id", field)
+        assert element.get_attribute("value") == "" and element.get_attribute("placeholder") == "server default"
+    chat(d, "Hello there", 24)
+    body = d.execute_script("return sentBodies.at(-1)")
+    assert "temperature" not in body and "top_p" not in body and body["max_tokens"] == 24
+    # Greedy: the same reply every run, and it runs to max_tokens on these random weights. The chat panel made
+    # short, so the reply overflows it; a word wider than the panel must wrap, not push the stats line aside.
+    d.find_element("id", "temperature").send_keys("0")
+    d.execute_script("document.getElementById('messages').style.height = '150px'")
+    bubble = chat(d, "Hi" + "o" * 200, 24)
+    assert d.execute_script("return sentBodies.at(-1)")["temperature"] == 0
+    assert bubble.get_attribute("data-finish") == "length"
+    assert bubble.find_element("css selector", ".cut").text.strip() == "… [cut at max_tokens]"
+    meta = bubble.find_element("css selector", ".meta")
+    assert "finish_reason length" in meta.text
+    # The stats line whole: in the panel's visible area, and nothing runs out of the panel's side.
+    inside = d.execute_script("""const m = arguments[0].getBoundingClientRect(),
+        box = document.getElementById("messages"), b = box.getBoundingClientRect();
+        return [m.top >= b.top, m.bottom <= b.bottom + 0.5, m.right <= b.right, box.scrollWidth <= box.clientWidth];""",
+                              meta)
+    assert inside == [True, True, True, True]
+
+
+DRAW_KV = """const [blocks, used] = arguments;
+drawKV({kv: {blocks, free: blocks - used.length, cached: 0, cached_ids: [], swap_used: 0},
+        lanes: [{id: "synthetic", blocks: used}], preemptions: 0});
+const c = document.getElementById("kv"), px = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+const free = [1, 3, 5].map((i) => parseInt(getVar("--free").slice(i, i + 2), 16));
+let lit = 0;
+for (let i = 0; i < px.length; i += 4)
+  if (px[i + 3] && !(px[i] === free[0] && px[i + 1] === free[1] && px[i + 2] === free[2])) lit++;
+return {lit, group: +c.dataset.group, per: +c.dataset.per, cell: +c.dataset.cell, dpr: devicePixelRatio,
+        width: c.clientWidth, height: c.clientHeight, stats: document.getElementById("kv-stats").textContent};"""
+
+
+@pytest.mark.parametrize("blocks", [100, 5825, 100_000])
+def test_kv_map_readable_from_100_to_100000_blocks(server, browser, blocks):
+    """Synthetic steps drawn by the page's own drawKV: 0.3% of the pool used (at least a block), scattered so
+    each used block lands in a group of its own, the hardest case for a map that groups blocks."""
+    d = browser
+    open_page(d, server)
+    used = list(range(7, blocks, blocks // max(1, round(blocks * 0.003))))
+    kv = d.execute_script(DRAW_KV, blocks, used)
+    group, per, cell = kv["group"], kv["per"], kv["cell"]
+    assert cell >= 8  # a used block is always at least a 7-pixel square
+    assert per * cell <= kv["width"] and -(-blocks // group // per) * cell <= kv["height"]  # the whole pool in view
+    assert (group == 1) == (blocks == 100)  # a cell per block while they fit
+    side = round((cell - 1) * kv["dpr"])
+    assert kv["lit"] == len({b // group for b in used}) * side * side  # each group holding a used block lit, whole
+    assert f"{len(used)} of {blocks} blocks in use ({100 * len(used) / blocks:.1f}%)" in kv["stats"]
