@@ -1,5 +1,5 @@
-"""Measurement: the throughput/latency curve over concurrency, goodput at an SLO, a mixed short/long probe,
-continuous vs static batching and offline throughput, against any OpenAI-compatible server (the attention
+"""Measurement: the throughput/latency curve over concurrency, goodput at an SLO, continuous vs static batching,
+offline throughput and, on request, a mixed short/long probe, against any OpenAI-compatible server (the attention
 kernel has its own, bench_kernel.py).
 
 Every number is taken from outside, as a user sees it: streamed over real HTTP, TTFT at the first content
@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import platform
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -29,26 +30,42 @@ import numpy as np
 import torch
 
 import bench_plot
+from cli import ArgumentParser
 from config import DEFAULT_MODEL, EngineConfig, add_cli_args, from_cli_args
 from engine import LLM, SamplingParams
 from serve import Server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Request {i}: write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
-METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
-STATS = (("mean", "Mean"), ("p50", "P50"), ("p95", "P95"), ("p99", "P99"))
+# vLLM's benchmark_serving table: its metric names, section titles and statistics ("Median" is p50 in the JSON).
+METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+           ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+STATS = (("mean", "Mean"), ("p50", "Median"), ("p95", "P95"), ("p99", "P99"))
+SERVE_URL = "http://127.0.0.1:8000"  # where serve.py (and vLLM) listen by default
+# --quick: a first look in under a minute on a small CPU; flags given explicitly still win.
+QUICK = {"concurrency": [1, 4], "max_tokens": 64, "requests_per_client": 1, "warmup": 1, "time_limit": 50,
+         "num_prompts": 16, "min_len": 32, "max_len": 128}
+USAGE = f"""bench.py --base-url {SERVE_URL} [options]   measure a server already running (serve.py, vLLM, ...)
+   or: bench.py [options] [engine flags]                      start its own server in this process and measure it"""
+DESCRIPTION = f"""\
+Serving benchmark: vLLM's metrics (TTFT, TPOT, ITL, E2EL, throughput) over a sweep of concurrent streaming
+clients, each sending its requests one after another.
+
+--base-url measures any OpenAI-compatible server already running; --model then names the model to ask for
+(default: the first the server lists). Without --base-url (the default) bench.py serves --model itself, set up
+by the engine flags below, on a free loopback port, and measures it from a separate client process; a server
+running on {SERVE_URL} is then not measured.
+
+--quick: concurrency 1 and 4, {QUICK['max_tokens']} tokens, one request per client: under a minute on a 2-core CPU.
+The full default sweep (1, 4, 16, 64 clients) takes up to --time-limit. --mixed-probe adds the mixed short/long
+probe, --compare-static a static-batching server, --offline measures LLM.generate without HTTP."""
 
 
 class BenchError(Exception):
     """Stops the run: results would be wrong (token counts disagree) or cannot be had (server failed)."""
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")  # one line, not the usage block
-
-
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: ...)" only where there is one worth reading
         shown = action.default in (None, False) or "(default" in action.help  # the engine's flags say it already
         return action.help if shown else super()._get_help_string(action)
@@ -69,12 +86,12 @@ def _number(kind: type, zero_ok: bool = False, most: float = math.inf):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="bench.py", formatter_class=_Help,
-                       description="Serving benchmark: by default serves the model from this process on a free "
-                       "loopback port and measures it over HTTP from a client process; --base-url measures any "
-                       "OpenAI-compatible server.")
+    p = ArgumentParser(prog="bench.py", usage=USAGE, formatter_class=_Help, description=DESCRIPTION)
     a, pos, num, count = p.add_argument, _number(int), _number(float), _number(int, zero_ok=True)
-    a("--base-url", help="measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000) instead")
+    a("--base-url", help=f"measure this running OpenAI-compatible server (e.g. {SERVE_URL}) instead of "
+      "starting one")
+    a("--quick", action="store_true", help="a short run: " + ", ".join(
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in QUICK.items()))
     a("--api-key", default="none", help="bearer token for --base-url")
     a("--compare-static", action="store_true", help="also run everything against a static-batching server")
     a("--offline", action="store_true", help="offline throughput through LLM.generate's step loop, no HTTP")
@@ -87,10 +104,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--slo-ttft", type=num, help="goodput counts the requests whose TTFT is at most this, in ms (as vLLM's "
       "--goodput ttft:MS)")
     a("--slo-tpot", type=num, help="... and whose TPOT is at most this, in ms (vLLM's --goodput tpot:MS)")
-    a("--mixed-short", type=pos, default=8, help="max_tokens of the mixed probe's short requests")
-    a("--mixed-long", type=pos, default=512, help="max_tokens of the mixed probe's long requests")
-    a("--mixed-num-short", type=count, default=16, help="short requests in the mixed probe (0: no probe)")
-    a("--mixed-num-long", type=pos, default=4, help="long requests in the mixed probe")
+    a("--mixed-probe", action="store_true", help="first, long and short requests sent together: does a short one "
+      "wait for the long ones? (continuous vs static batching)")
+    a("--mixed-short", type=pos, default=8, help="--mixed-probe: max_tokens of the short requests")
+    a("--mixed-long", type=pos, default=512, help="--mixed-probe: max_tokens of the long requests")
+    a("--mixed-num-short", type=count, default=16, help="--mixed-probe: short requests (0, without "
+      "--mixed-probe: no probe, as the default)")
+    a("--mixed-num-long", type=pos, default=4, help="--mixed-probe: long requests")
     a("--num-prompts", type=pos, default=256, help="--offline: sequences")
     a("--min-len", type=pos, default=100, help="--offline: shortest prompt and output, tokens")
     a("--max-len", type=pos, default=1024, help="--offline: longest prompt and output, tokens")
@@ -101,6 +121,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_cli_args(p, "engine (the in-process server's, as serve.py's)")
     p.set_defaults(model=None)  # with --base-url, a model given is the one requested; else the server's default
     args = p.parse_args(argv)
+    if args.quick:  # parsed again on --quick's defaults, so that a flag given explicitly keeps its value
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
     if args.offline and args.base_url:
         p.error("--offline and --base-url are separate modes; pick one")
     if args.base_url and args.compare_static:
@@ -114,16 +137,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         url = None
     if not (url and url.scheme in ("http", "https") and url.netloc):
         p.error(f"--base-url must be an http:// or https:// URL, got {args.base_url!r}")
-    offline_only = [f"--{k.replace('_', '-')}" for k in ("num_prompts", "min_len", "max_len")
-                    if getattr(args, k) != p.get_default(k)]
+
+    def changed(*names: str) -> list[str]:  # the flags among these given a value other than their default
+        return [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != p.get_default(k)]
+    offline_only = changed("num_prompts", "min_len", "max_len")
     online_only = [flag for flag, given in (("--compare-static", args.compare_static), ("--slo-ttft", args.slo_ttft),
-                                            ("--slo-tpot", args.slo_tpot), ("--plot", args.plot)) if given]
+                                            ("--slo-tpot", args.slo_tpot), ("--plot", args.plot),
+                                            ("--mixed-probe", args.mixed_probe)) if given]
     if args.offline and online_only or not args.offline and offline_only:
         p.error(f"{', '.join(online_only if args.offline else offline_only)}: not for "
                 f"{'--offline' if args.offline else 'the sweep (those are --offline knobs)'}")
+    # The probe's sizes without the probe: a mistake, except --mixed-num-short 0 (how the probe was turned off).
+    probe_sizes = changed("mixed_short", "mixed_long", "mixed_num_long") + (changed("mixed_num_short")
+                                                                           if args.mixed_num_short else [])
+    if probe_sizes and not args.mixed_probe:
+        p.error(f"{', '.join(probe_sizes)}: the mixed probe's sizes; the probe runs only with --mixed-probe")
+    if args.mixed_probe and not args.mixed_num_short:
+        p.error("--mixed-probe needs short requests (--mixed-num-short > 0)")
     # --model stays: with --base-url it names the model to request.
-    engine_only = [f"--{f.name.replace('_', '-')}" for f in fields(EngineConfig) if "help" in f.metadata
-                   and f.name != "model" and getattr(args, f.name) != p.get_default(f.name)]
+    engine_only = changed(*(f.name for f in fields(EngineConfig) if "help" in f.metadata and f.name != "model"))
     if args.base_url and engine_only:
         p.error(f"{', '.join(engine_only)}: not for --base-url (those set up the in-process server's engine)")
     if len(set(args.concurrency)) < len(args.concurrency):
@@ -337,7 +369,7 @@ def summarize(reqs: list[Request], duration: float, args) -> dict:
                "total_token_throughput": (inp + out) / duration,
                "per_request_output_throughput": float(np.mean([r.output_tokens / (r.end - r.start) for r in done]))
                if done else None, "first_error": next((r.error for r in reqs if r.error), None)}
-    for name, _ in METRICS:
+    for name, *_ in METRICS:
         xs = [x * 1000 for x in series[name]]
         m[f"mean_{name}_ms"] = float(np.mean(xs)) if xs else None
         for q in (50, 95, 99):
@@ -353,7 +385,7 @@ def summarize(reqs: list[Request], duration: float, args) -> dict:
 async def run_level(client, model: str, args, concurrency: int, until: float, label: str) -> dict:
     """Closed loop: `concurrency` clients, each sending --requests-per-client requests one after another."""
     t0, reqs = time.perf_counter(), []
-    bar = Progress(f"{label} c={concurrency}", concurrency * args.requests_per_client)
+    bar = Progress(f"{label}, {clients(concurrency)}", concurrency * args.requests_per_client)
 
     async def client_loop(c: int) -> None:
         for k in range(args.requests_per_client):
@@ -377,7 +409,7 @@ async def run_mixed(client, model: str, args, until: float, label: str) -> dict:
     t0 = time.perf_counter()
     reqs = [Request("long", args.mixed_long) for _ in range(args.mixed_num_long)] + \
            [Request("short", args.mixed_short) for _ in range(args.mixed_num_short)]
-    bar = Progress(f"{label} mixed", len(reqs))
+    bar = Progress(f"{label}, mixed probe", len(reqs))
 
     async def one(i: int, r: Request) -> None:
         await stream_one(client, model, r, PROMPT.format(i=1000 + i), args, t0)
@@ -445,7 +477,7 @@ async def measure(args, url: str, label: str, until: float) -> tuple[dict, str |
             raise BenchError("the warm-up used up --time-limit before anything was measured; raise --time-limit")
         if err := next((r.error for r in warm if r.error), None):
             raise BenchError(f"warm-up request failed: {err}")
-        if args.mixed_num_short:  # first: a fixed, small workload, at most 40% of the time; the sweep adapts
+        if args.mixed_probe:  # first: a fixed, small workload, at most 40% of the time; the sweep adapts
             mixed_until = time.perf_counter() + (until - time.perf_counter()) * 0.4
             run["mixed"] = await run_mixed(client, model, args, mixed_until, label)
         for j, c in enumerate(args.concurrency):  # equal shares; a level done early leaves its rest to later ones
@@ -461,7 +493,23 @@ def _measure_in_child(args, url: str, label: str, seconds: float, conn) -> None:
     conn.send(asyncio.run(measure(args, url, label, time.perf_counter() + seconds)))
 
 
+def say_which_server(args) -> None:
+    """A vLLM user may expect the server already running on the default address to be the one measured: say
+    which is, and note one answering there (a refused connect returns at once)."""
+    print(f"bench.py: starting its own server in this process ({args.model or DEFAULT_MODEL}) to measure; to "
+          f"measure a server already running, pass --base-url {SERVE_URL}", file=sys.stderr)
+    url = urllib.parse.urlsplit(SERVE_URL)
+    try:
+        socket.create_connection((url.hostname, url.port), timeout=0.2).close()
+    except OSError:
+        return
+    print(f"bench.py: note: the server answering on {SERVE_URL} is not measured; --base-url {SERVE_URL} "
+          "measures it", file=sys.stderr)
+
+
 def run_online(args, deadline: float, report: dict) -> None:
+    if not args.base_url:
+        say_which_server(args)
     labels = ["remote"] if args.base_url else ["continuous", "static"] if args.compare_static else [args.scheduling]
     for i, label in enumerate(labels):
         until = time.perf_counter() + (deadline - time.perf_counter()) / (len(labels) - i)  # a fair share each
@@ -537,31 +585,48 @@ def fmt(x) -> str:
     return "-" if x is None else str(x) if isinstance(x, int) else f"{x:.2f}"
 
 
+def clients(c: int) -> str:
+    return f"{c} client{'s' if c > 1 else ''}"
+
+
 def print_report(report: dict, args) -> None:
-    w = 40
+    w = 42
     runs = report.get("runs", {})
     if any(run["sweep"] for run in runs.values()):  # nothing measured (the server unreachable, say): no table
         cols = [(c, label) for c in args.concurrency for label in runs]
         by = {(lv["concurrency"], label): lv for label, run in runs.items() for lv in run["sweep"]}
-        head = [f"c={c}" + (" cont" if label == "continuous" else f" {label}" if len(runs) > 1 else "")
-                + ("*" if by.get((c, label), {}).get("partial") else "") for c, label in cols]
+        heads = [[clients(c) + ("*" if by.get((c, label), {}).get("partial") else "") for c, label in cols]]
+        heads += [[label for _, label in cols]] if len(runs) > 1 else []  # continuous and static side by side
+        server = (args.base_url if args.base_url else
+                  f"its own, in this process, {' and '.join(runs)} batching")
         rows = [("Successful requests", "completed"), ("Failed requests", "failed"),
                 ("Benchmark duration (s)", "duration_s"), ("Total input tokens", "total_input_tokens"),
                 ("Total generated tokens", "total_output_tokens"), ("Request throughput (req/s)", "request_throughput"),
                 ("Output token throughput (tok/s)", "output_throughput"),
-                ("Total token throughput (tok/s)", "total_token_throughput"),
+                ("Total Token throughput (tok/s)", "total_token_throughput"),  # vLLM's capital T
                 ("Per-request output throughput (tok/s)", "per_request_output_throughput")]
         rows += [("Request goodput (req/s)", "goodput")] if args.slo_ttft or args.slo_tpot else []
-        rows += [(f"{s} {label} (ms)", f"{k}_{name}_ms") for name, label in METRICS for k, s in STATS]
-        print(f"\n{'Serving benchmark (max_tokens ' + str(args.max_tokens) + ')':<{w}}" + "".join(f"{h:>14}" for h in head))
+        for name, label, section in METRICS:
+            rows += [(section, None)] + [(f"{s} {label} (ms)", f"{k}_{name}_ms") for k, s in STATS]
+        print(f"\n{' Serving Benchmark Result ':=^{w + 14 * len(cols)}}")
+        print(f"Server: {server}; model {report['config'].get('served_model')}")
+        n = args.requests_per_client
+        print(f"Workload: each client sends {'1 request' if n == 1 else f'{n} requests one after another'} of "
+              f"{args.max_tokens} output tokens (ignore_eos), temperature {args.temperature:g}")
+        for i, head in enumerate(heads):
+            print(f"{'Concurrency (clients)' if i == 0 else 'Batching':<{w}}" + "".join(f"{h:>14}" for h in head))
         for title, key in rows:
+            if key is None:
+                print(f"{title:-^{w + 14 * len(cols)}}")
+                continue
             print(f"{title:<{w}}" + "".join(f"{fmt(by[c].get('metrics', {}).get(key)) if c in by else '-':>14}"
                                             for c in cols))
+        print("=" * (w + 14 * len(cols)))
         if any(lv["partial"] for lv in by.values()):
             print("* partial: the level's share of --time-limit ran out; counts include tokens streamed so far")
         for label, run in runs.items():
             if g := run.get("goodput"):
-                where = f"{fmt(g['goodput'])} req/s at concurrency {g['concurrency']}" if g["concurrency"] \
+                where = f"{fmt(g['goodput'])} req/s at {clients(g['concurrency'])}" if g["concurrency"] \
                     else "no request meets it"
                 print(f"Best goodput [{label}] at TTFT <= {fmt(g['slo_ttft_ms'])} ms, TPOT <= "
                       f"{fmt(g['slo_tpot_ms'])} ms: {where}")
@@ -621,9 +686,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1)
     if args.plot and report["runs"] and importlib.util.find_spec("matplotlib") is not None:
         bench_plot.plot(report, args.plot)
-    phases = [(f"{label} c={lv['concurrency']}", lv["metrics"]) for label, run in report["runs"].items()
+    phases = [(f"{label}, {clients(lv['concurrency'])}", lv["metrics"]) for label, run in report["runs"].items()
               for lv in run["sweep"]]
-    phases += [(f"{label} mixed {g}", run["mixed"][g]) for label, run in report["runs"].items() if run["mixed"]
+    phases += [(f"{label}, mixed probe {g}", run["mixed"][g]) for label, run in report["runs"].items() if run["mixed"]
                for g in ("short", "long")]
     failed = [f"{name}: {m['failed']} failed, first: {m['first_error']}" for name, m in phases if m["failed"]]
     if error or failed:

@@ -64,7 +64,8 @@ def worker(root: str, job: dict) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     # Here, not at the top: a worker must not have imported this checkout's modules.
-    from bench import ArgumentParser, _number  # one-line errors and positive numbers, as bench.py's
+    from bench import _number  # positive numbers, as bench.py's
+    from cli import ArgumentParser
     from config import EngineConfig, add_cli_args, from_cli_args
     p = ArgumentParser(prog="bench_ab.py", description=__doc__.split("\n\n")[0])
     p.add_argument("other", help="the other checkout's directory")

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench import ArgumentParser, _number  # one-line errors and positive numbers, as bench.py's
+    from bench import _number
+    from cli import ArgumentParser
     p = ArgumentParser(prog="bench_kernel.py", description=__doc__)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])

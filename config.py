@@ -44,8 +44,9 @@ class EngineConfig:
     gpu_memory_utilization: float = knob(0.9, "share of GPU memory to use; the KV pool gets what the model leaves")
     enforce_eager: bool = knob(False, "CUDA: run decode steps eagerly, without CUDA graphs")
     chat_template: str | None = knob(None, "a Jinja chat template file to use instead of the checkpoint's", type=str)
-    generation_config: str = knob("auto", "auto: a Hugging Face checkpoint's generation_config.json sets the "
-                                          "defaults of sampling fields requests leave out; vllm: it does not",
+    generation_config: str = knob("auto", "auto: a Hugging Face checkpoint's generation_config.json (else a "
+                                          "preset's model card) sets the defaults of sampling fields requests "
+                                          "leave out; vllm: neither does",
                                   choices=["auto", "vllm"])
     torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's, one per core; with tensor "
                                            "parallelism on CPU, the cores shared among the ranks)", type=int)

@@ -19,6 +19,7 @@ from model import ModelConfig
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device, skipped without one (.ci/gpu runs -m cuda)")
+    config.addinivalue_line("markers", "slow: over a few seconds on 2 cores; `pytest -m \"not slow\"` is the inner loop")
 
 
 def pytest_collection_modifyitems(config, items):

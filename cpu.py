@@ -1,6 +1,6 @@
 """CPU fast paths, an appendix to model.py and attention_cuda: the textbook forms there, arranged to run faster on
 a CPU (in bfloat16 the attention rounds where HF's eager attention does; with --quantization int4, the
-checkpoint's own 4-bit weights). optimize() swaps them into a loaded model once; the README has the measurements."""
+checkpoint's own 4-bit weights). optimize() swaps them into a loaded model once."""
 from __future__ import annotations
 
 import ctypes
@@ -34,7 +34,7 @@ def has_bf16_units() -> bool:
 
 def row_tile(max_num_seqs: int) -> int:
     """Rows per matmul call: max_num_seqs rounded up to a power of two, from 16 to ROW_TILE. A full decode step
-    fits one tile, and a few sequences do not pay for 64 rows per token (README: what it costs)."""
+    fits one tile, and a few sequences do not pay for 64 rows per token."""
     return min(ROW_TILE, max(16, 1 << (max_num_seqs - 1).bit_length()))
 
 
@@ -59,12 +59,11 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
 
 def keep_freed_memory() -> None:
     """Have glibc's malloc keep freed memory for the next step: by default a large freed tensor is unmapped (or trimmed
-    off the heap), and the next step's tensor of the same size faults every page back in, each zeroed by the kernel
-    (README: what it cost). A fixed mmap threshold (32 MiB, glibc's largest) serves smaller tensors from the heap, and
-    the trim threshold keeps the heap's free top; the process stays at its peak size. A thread other than the main one
-    (the server's engine thread) allocates from heaps of at most 64 MiB, which glibc unmaps once empty whatever the trim
-    threshold: in a fragmented one, every tensor that fits no hole mapped a new heap and its free unmapped it again
-    (a server's decode 30% slower after 8 minutes of mixed load). The top pad keeps 64 MiB beyond the top: no churn."""
+    off the heap), and the next step's tensor of the same size faults every page back in, each zeroed by the kernel.
+    A fixed mmap threshold (32 MiB, glibc's largest) serves smaller tensors from the heap, and the trim threshold keeps
+    the heap's free top; the process stays at its peak size. A thread other than the main one (the server's engine
+    thread) allocates from heaps of at most 64 MiB, which glibc unmaps once empty whatever the trim threshold: in a
+    fragmented one every tensor that fits no hole would map a new heap. The top pad keeps 64 MiB beyond the top."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -153,27 +152,18 @@ class Int4Linear(nn.Module):
 
 
 class BucketedAttention:
-    """Paged attention for every query token of a step, prefill or decode, each token computed one way. A token at
-    position p reads its sequence's first b keys, b = p + 1 rounded up (key_bucket), those past p masked. The batched
-    matmuls come in two forms, by the token's kind:
+    """Paged attention for every query token of a step, prefill or decode, each token computed one way, fixed by its
+    position and kind (prompt or generated), so that its result never depends on its batch, on where its prompt was
+    cut or on what else its group holds (ARCHITECTURE.md, "Lanes never mix"). A token at position p reads its
+    sequence's first b keys, b = p + 1 rounded up (key_bucket), those past p masked:
     - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values
-      ([heads, b] by [b, kv_heads * dim]). Items with the same b run together.
+      ([heads, b] by [b, kv_heads * dim]), with its own copy of the keys. Items with the same b run together.
     - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
       own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
-      bring are rows of zeros. Neighbours share one copy of their keys, so a long prompt takes GROUP times fewer
-      copies and items. Key buckets are multiples of GROUP: a group's positions share one b.
-    The softmax runs between the matmuls in the cache's dtype (in bfloat16 the scores and the weights are rounded to
-    it around a float32 softmax, where HF's eager attention rounds them).
-    Matmul libraries pick their kernel, and so the order in which they sum, by shape and operand layout, and a blocked
-    matmul computes each row of one shape the same way. Every shape here follows from the token's position and kind,
-    and every item's keys and values are laid out the same way in every path, so a token's result depends on its
-    sequence and position alone: not on its batch, on where its prompt was cut, or on what else its group holds this
-    step. The kind is the sequence's too: positions before the prompt's end are prompt tokens, computed at first or
-    recomputed after a preemption, and the prefix cache keeps prompt blocks only (kv_cache.BlockManager). Hence also a
-    generated token's own copy of its sequence's keys (oneDNN would copy a shared, stride-0 batch anyway), and no
-    batch of one item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are made
-    CALL_BYTES at a time. A step's first layer plans what depends on the step's BatchMeta alone (positions, buckets,
-    masks, block ids); the others reuse it."""
+      bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of its keys.
+    The softmax runs between the matmuls in the cache's dtype, where HF's eager attention rounds. No batch has one
+    item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are made CALL_BYTES
+    at a time. A step's first layer plans what depends on the step's BatchMeta alone; the others reuse it."""
 
     def __init__(self):
         self.meta: BatchMeta | None = None  # what the plan below was made for

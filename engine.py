@@ -12,7 +12,8 @@ import weights
 from config import EngineConfig
 from kv_cache import BlockManager
 from parallel import WorkerFailure
-from runner import ModelRunner, TokenLogprob
+from runner import ModelRunner
+from sampler import TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status, require
 from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer, read_chat_template
@@ -61,7 +62,10 @@ class Engine:
         if template:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         weights.read_gguf.cache_clear()  # the parsed header, vocabulary included, was the tokenizer's
-        self.sampling_defaults = weights.sampling_defaults(r.checkpoint_path) if c.generation_config == "auto" else {}
+        # The checkpoint's generation_config.json, else the model card's for a preset found by its name.
+        card = {} if c.model_path or c.dummy_weights else weights.CARD_SAMPLING.get(c.model, {})
+        self.sampling_defaults = ((weights.sampling_defaults(r.checkpoint_path) or dict(card))
+                                  if c.generation_config == "auto" else {})
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}

@@ -139,7 +139,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         # Given its (meta) weight, the embedding skips reset_parameters, which on the meta device would
-        # import torch._dynamo: 1.4 s in every process that builds a model.
+        # import torch._dynamo (slow) in every process that builds a model.
         shape = (config.vocab_size, config.hidden_size)
         self.embed = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"))
         self.layers = nn.ModuleList(Block(config, tp_size) for _ in range(config.num_hidden_layers))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
+from weights import HF_REPOS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The request fields implemented, with JSON types (/openapi.json's source); any other non-null one gets a 400.
@@ -25,6 +27,10 @@ FIELDS = {
                   "add_generation_prompt": "boolean"},
     "/detokenize": {"model": "string", "tokens": "array"}}
 REQUIRED = {"/v1/chat/completions": ["messages"], "/v1/completions": ["prompt"], "/detokenize": ["tokens"]}
+# A field of the other generation endpoint: the client called the wrong one.
+WRONG_ENDPOINT = {
+    ("/v1/chat/completions", "prompt"): "a prompt goes to /v1/completions; this endpoint takes 'messages'",
+    ("/v1/completions", "messages"): "messages go to /v1/chat/completions; this endpoint takes 'prompt'"}
 
 
 class ApiError(Exception):
@@ -49,7 +55,8 @@ def parse_body(raw: bytes, route: str) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     if unknown := sorted(k for k, v in body.items() if v is not None and k not in FIELDS[route]):
-        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}", unknown[0], "unsupported_field")
+        hint = "".join(f" ({WRONG_ENDPOINT[route, k]})" for k in unknown if (route, k) in WRONG_ENDPOINT)
+        raise ApiError(400, f"unsupported field(s): {', '.join(unknown)}{hint}", unknown[0], "unsupported_field")
     return body
 
 
@@ -230,10 +237,23 @@ def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
     return n, stream, echo, get(options, "include_usage", bool, False)
 
 
+def model_names(model: str, checkpoint_path: str | None, served: str | list[str] | None = None) -> list[str]:
+    """The names a request may give the model, the one replies carry first: --served-model-name's if given, as
+    in vLLM; else --model's, the preset's and its Hugging Face ids (vLLM's default name, its --model), and the
+    checkpoint's file or directory name."""
+    if served:
+        return [served] if isinstance(served, str) else list(served)
+    aliases = [name for preset, repos in HF_REPOS.items() if model in (preset, *repos) for name in (preset, *repos)]
+    files = [os.path.basename(p.rstrip("/")) for p in (model, checkpoint_path)
+             if p and os.path.basename(os.path.dirname(p.rstrip("/"))) != "snapshots"]  # not a HF cache's hash
+    return list(dict.fromkeys([model, *aliases, *files]))
+
+
 def check_model(body: dict, names: list[str]) -> None:
     """A request may name the model (one of its names, the served one first) or not."""
     if (model := get(body, "model", str, names[0])) not in names:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+        raise ApiError(404, f"The model `{model}` does not exist. This server serves: {', '.join(names)}.", "model",
+                       "model_not_found")
 
 
 def openapi(version: str) -> dict:

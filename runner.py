@@ -1,35 +1,29 @@
-"""The model runner: the model and its KV cache on a device, and one step's scheduled sequences turned
-into batch tensors, a forward pass and sampled tokens. CUDA graphs replay decode steps on a GPU."""
+"""The model runner: the model and its KV cache on a device. One step: the batch built on the host (StepBatch.build),
+broadcast to the other tensor-parallel ranks, the swaps, the batch moved to the device (to_device), the forward pass
+and sampling (sampler.py)."""
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 import cpu
 import parallel
 import weights
 from config import EngineConfig
+from cuda_graphs import DecodeGraphs
 from kv_cache import KVCache, KVShape, slots
 from model import BatchMeta, ModelConfig, Transformer
+from sampler import TokenLogprob, sample, to_device
 from sequence import SamplingParams, Sequence
-
-TOP_P_HEAD = 1024  # on CPU, the likeliest tokens _draw sorts first for top-p
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
 
 
 @dataclass
 class StepBatch:
-    """One step's tokens as host lists: what `tensors` sends to the device and rank 0 broadcasts to the others."""
+    """One step's tokens as host lists, sequence after sequence (one-token pieces first): what rank 0 broadcasts
+    to the other ranks and every rank moves to its device."""
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
@@ -38,6 +32,36 @@ class StepBatch:
     sample_rows: list[int]
     query_lens: list[int]
     prompt_lens: list[int]
+
+    @classmethod
+    def build(cls, scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[StepBatch, list[Sequence]]:
+        """The batch, and the sequences sampled this step (those whose piece reaches their last token)."""
+        scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
+        input_ids, positions, slot_mapping, block_tables, context_lens = [], [], [], [], []
+        sample_rows, sampled = [], []
+        for seq, n in scheduled:
+            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[begin:end]
+            positions += range(begin, end)
+            slot_mapping += slots(seq.block_table, block_size, begin, end)
+            block_tables.append(seq.block_table)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(seq)
+        width = max(len(t) for t in block_tables)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+        return cls(input_ids, positions, slot_mapping, tables, context_lens, sample_rows,
+                   [n for _, n in scheduled], [seq.num_prompt_tokens for seq, _ in scheduled]), sampled
+
+    def to_device(self, dev: torch.device, sampling: bool = True) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
+        """Input ids, positions and metadata on the device."""
+        i32, i64 = torch.int32, torch.int64
+        rows = self.sample_rows if sampling else []  # only rank 0 samples: no LM head runs on the others
+        meta = BatchMeta(to_device(self.slot_mapping, i64, dev), to_device(self.block_tables, i32, dev),
+                         to_device(self.context_lens, i32, dev), to_device(rows, i64, dev), max(self.query_lens),
+                         max(self.context_lens), self.query_lens, self.context_lens, self.prompt_lens)
+        return to_device(self.input_ids, i64, dev), to_device(self.positions, i64, dev), meta
 
 
 class ModelRunner:
@@ -158,8 +182,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
         for step in self._profile_steps():
-            ids, pos, meta, sampled = self.prepare(step)
-            logits = self.model(ids, pos, meta, scratch.layers)
+            batch, sampled = StepBatch.build(step, self.config.block_size)
+            logits = self.model(*batch.to_device(dev, self.rank == 0), scratch.layers)
             if self.rank == 0:  # the only rank that samples
                 sample(logits, sampled)
         torch.cuda.synchronize(dev)
@@ -168,62 +192,29 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, BatchMeta,
-                                                                       list[Sequence]]:
-        batch, sampled = self.batch(scheduled)
-        return *self.tensors(batch), sampled
-
-    def batch(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepBatch, list[Sequence]]:
-        """The step's tokens flattened, sequence after sequence (one-token pieces first), and the sequences
-        sampled this step (those whose piece reaches their last token)."""
-        scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
-        input_ids, positions, slot_mapping, block_tables, context_lens = [], [], [], [], []
-        sample_rows, sampled = [], []
-        for seq, n in scheduled:
-            begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[begin:end]
-            positions += range(begin, end)
-            slot_mapping += slots(seq.block_table, self.config.block_size, begin, end)
-            block_tables.append(seq.block_table)
-            context_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        width = max(len(t) for t in block_tables)
-        tables = [t + [0] * (width - len(t)) for t in block_tables]
-        return StepBatch(input_ids, positions, slot_mapping, tables, context_lens, sample_rows,
-                         [n for _, n in scheduled], [seq.num_prompt_tokens for seq, _ in scheduled]), sampled
-
-    def tensors(self, b: StepBatch) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
-        """Input ids, positions and metadata on the device (via send); only rank 0 samples, so only its LM head runs."""
-        i32, i64, dev = torch.int32, torch.int64, self.device
-        meta = BatchMeta(send(b.slot_mapping, i64, dev), send(b.block_tables, i32, dev),
-                         send(b.context_lens, i32, dev), send(b.sample_rows if self.rank == 0 else [], i64, dev),
-                         max(b.query_lens), max(b.context_lens), b.query_lens, b.context_lens, b.prompt_lens)
-        return send(b.input_ids, i64, dev), send(b.positions, i64, dev), meta
-
     def run(self, scheduled: list[tuple[Sequence, int]], swap_out: list[tuple[int, int]] = (),
             swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None]]:
-        """The step's swaps, then a forward pass writing the scheduled sequences' new K/V: each sampled one's
-        next token or why sampling failed. Every rank runs the step broadcast here; failing is fatal (WorkerFailure)."""
-        batch, sampled = self.batch(scheduled) if scheduled else (None, [])
+        """One step: build the batch, broadcast it to the other ranks, forward it, sample: each sampled sequence's
+        next token or why sampling failed. Failing is fatal under tensor parallelism (WorkerFailure)."""
+        batch, sampled = StepBatch.build(scheduled, self.config.block_size) if scheduled else (None, [])
         try:
             if self.tp:
                 self.tp.broadcast((swap_out, swap_in, batch))
-            logits = self.execute(swap_out, swap_in, batch)
+            logits = self.forward(swap_out, swap_in, batch)
         except Exception as e:
             if self.tp:
                 raise self.tp.fail(e) from e
             raise
         return list(zip(sampled, *sample(logits, sampled))) if batch else []
 
-    def execute(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+    def forward(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                 batch: StepBatch | None) -> torch.Tensor | None:
-        """Every rank's part of a step: the swaps, then the forward pass; the sampled rows' logits (none off rank 0)."""
+        """Every rank's part of a step: the swaps, then the batch to the device and through the model, writing the
+        scheduled sequences' new K/V; the sampled rows' logits (none off rank 0)."""
         self.kv_cache.swap(swap_out, swap_in)
         if batch is None:
             return None
-        ids, pos, meta = self.tensors(batch)
+        ids, pos, meta = batch.to_device(self.device, self.rank == 0)
         if self.graphs and meta.max_query_len == 1:  # the largest graph holds max_num_seqs rows
             # A graph computes every row; a one-token prefill piece that is not its prompt's end samples none.
             return self.graphs.run(ids, pos, meta)[meta.sample_rows]
@@ -239,7 +230,7 @@ def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, ra
         weights.read_gguf.cache_clear()  # the parsed header (vocabulary included) is the tokenizer's, on rank 0
         try:
             while (step := runner.tp.broadcast(None)) is not None:
-                runner.execute(*step)
+                runner.forward(*step)
         finally:
             runner.tp.close()
     except Exception as e:
@@ -251,163 +242,3 @@ def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, ra
 def kv_cache_bytes(total: int, free: int, peak: int, utilization: float) -> int:
     """The KV pool's bytes: gpu_memory_utilization of total, less what is in use (weights, other processes) and peak."""
     return int(total * utilization) - (total - free) - peak
-
-
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None],
-                                                               list[str | None]]:
-    """Next token per sequence: plain greedy rows by one batched max (the first maximal index, as argmax;
-    widening bfloat16 first would be exact, so it changes no order); the rest each on its own row in float32,
-    drawn from its own generator so that a seeded request draws the same numbers whatever batch it is in. A row
-    that fails (NaN logits, say) fails its own sequence alone: the third list says why, per sequence."""
-    best = logits.max(dim=-1)  # NaN anywhere in a row makes its max NaN
-    tokens = best.indices
-    logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> chosen, top ids, top values
-    errors: list[str | None] = [None] * len(seqs)
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        processed = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
-                         or seq.num_tokens - seq.num_prompt_tokens < p.min_tokens)
-        if not (p.temperature or p.logprobs is not None or processed):
-            continue
-        try:
-            raw = logits[i].float()
-            logit = _process(raw.clone(), seq) if processed else raw
-            if p.temperature:
-                tokens[i] = _draw(logit / p.temperature, p, seq.generator)
-            elif processed:
-                tokens[i] = logit.argmax()
-            if p.logprobs is not None:
-                # From the model's own distribution, before penalties, bias and temperature, as vLLM's default.
-                lp = raw.log_softmax(-1)
-                top = lp.topk(p.logprobs)
-                logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices, top.values
-        except Exception as e:
-            errors[i] = f"sampling failed ({type(e).__name__}: {e})"
-            logprobs.pop(i, None)
-    # One transfer: token ids (exact in float64), NaN flags and every logprob in one tensor: n ids, n flags,
-    # then per sequence with logprobs its token's logprob, its k top ids and their k logprobs.
-    n = len(seqs)
-    flat = torch.cat([t.double() for t in (tokens, best.values.isnan(),
-                                           *(t for row in logprobs.values() for t in row))]).tolist()
-    ids, at = [int(t) for t in flat[:n]], 2 * n
-    out: list[TokenLogprob | None] = [None] * n
-    for i in logprobs:
-        k = seqs[i].params.logprobs
-        top = list(zip(map(int, flat[at + 1:at + 1 + k]), flat[at + 1 + k:at + 1 + 2 * k]))
-        out[i], at = TokenLogprob(ids[i], flat[at], top), at + 1 + 2 * k
-    errors = [e or ("the model's logits are NaN" if flat[n + i] else None) for i, e in enumerate(errors)]
-    return ids, out, errors
-
-
-def _process(logit: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """One row of logits (float32, in place) as its request asks: stop tokens banned before min_tokens,
-    logit_bias added, then vLLM's repetition penalty and OpenAI's presence and frequency penalties."""
-    p, dev, i64 = seq.params, logit.device, torch.int64
-    if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens and seq.stop_ids:
-        logit[send(sorted(seq.stop_ids), i64, dev)] = float("-inf")
-    if p.logit_bias:
-        logit[send(list(p.logit_bias), i64, dev)] += send(list(p.logit_bias.values()), logit.dtype, dev)
-    if p.repetition_penalty != 1:
-        seen = send(seq.token_ids, i64, dev).unique()
-        x = logit[seen]
-        logit[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-    if p.presence_penalty or p.frequency_penalty:
-        out = send(seq.output_token_ids, i64, dev)
-        counts = torch.zeros_like(logit).index_add_(0, out, torch.ones_like(out, dtype=logit.dtype))
-        logit -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    return logit
-
-
-def send(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list (or list of equal-length lists) as a tensor on device, through pinned memory: the copy never waits
-    on a GPU. Through numpy, which reads nested lists twice as fast as torch.tensor (64 block tables of 512 entries,
-    an 8K context each: 1.3 ms instead of 2.4, a step's host time that CUDA graphs do not hide)."""
-    pinned = device.type == "cuda"
-    return torch.tensor(np.array(values), dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
-
-
-def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """A token drawn from softmax(row) after top-k, min-p and top-p. NaN becomes 0 first: a device
-    cannot raise for one row (a CUDA assert would end every sequence), and sample() flags the row."""
-    row, ids = row.nan_to_num(), None  # ids: the vocabulary ids of row's entries, when not all of them
-    if 0 < p.top_k < len(row):
-        # The others get probability 0; ties with the k-th stay, as in vLLM. On CPU draw among these alone
-        # (faster, README); on a GPU mask the others instead: how many tie would have to be read back.
-        keep = row >= row.topk(p.top_k).values[-1]
-        if row.is_cuda:
-            row = row.masked_fill(~keep, float("-inf"))
-        else:
-            ids = keep.nonzero()[:, 0]
-            row = row[ids]
-    probs = row.softmax(-1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
-        probs /= probs.sum()  # top_p measures the mass of the tokens min_p leaves, as in vLLM
-    if p.top_p < 1:
-        # Only the likeliest tokens can make the nucleus. On CPU, where sorting a whole vocabulary is slow
-        # (README), sort just the TOP_P_HEAD likeliest, and all only if they fall short of top_p.
-        head, order = probs.topk(probs.numel() if probs.is_cuda else min(TOP_P_HEAD, probs.numel()))
-        if len(order) < len(probs) and float(head.sum()) < p.top_p:
-            head, order = probs.sort(descending=True)
-        # Drop a token once the mass before it already reaches top_p; the first always stays (a top_p
-        # that rounds to 0 in float32 would drop it too).
-        drop = head.cumsum(-1) - head >= p.top_p
-        drop[0].fill_(False)  # not `= False`, which copies from the host and waits on a GPU
-        probs, ids = head.masked_fill(drop, 0), order if ids is None else ids[order]
-    # Inverse CDF, one uniform u in (0, 1] per draw (torch.multinomial draws one per vocabulary entry): the
-    # first token whose cumulative mass reaches u * total, never one of mass 0 (it adds nothing to the sum).
-    cdf = probs.double().cumsum(0)
-    u = 1 - torch.rand((), dtype=torch.float64, device=row.device, generator=generator)
-    token = torch.searchsorted(cdf, u * cdf[-1])
-    return token if ids is None else ids.gather(0, token.view(1))[0]  # ids[token] would read token back
-
-
-class DecodeGraphs:
-    """CUDA graphs for decode steps, which skip the per-kernel launch cost that dominates small batches: one per
-    batch size of a ladder, a step of n sequences replaying the smallest with room for n, padded with sequences
-    that read nothing (context 0) and write nothing (slot -1). Every tensor a graph reads is a static buffer below."""
-
-    def __init__(self, runner: ModelRunner):
-        c, dev = runner.config, runner.device
-        self.sizes = [s for s in (1, 2, 4, 8, *range(16, 513, 16)) if s < c.max_num_seqs] + [c.max_num_seqs]
-        n = self.sizes[-1]
-        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.meta = BatchMeta(
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(n, -(-runner.max_model_len // c.block_size), dtype=torch.int32, device=dev),
-            context_lens=torch.zeros(n, dtype=torch.int32, device=dev),
-            sample_rows=torch.arange(n, device=dev), max_query_len=1, max_context_len=runner.max_model_len,
-            query_lens=[1] * n, host_context_lens=[], prompt_lens=[])
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
-        # Captured on a stream of our own device: torch.cuda.graph's default stream is made once per process, on
-        # the device current then, and a capture there would miss this device's work (engines on two GPUs).
-        stream = torch.cuda.Stream(dev)
-        m = self.meta
-        for size in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
-            meta = BatchMeta(m.slot_mapping[:size], m.block_tables[:size], m.context_lens[:size],
-                             m.sample_rows[:size], 1, m.max_context_len, [1] * size, [], [])
-            args = (self.ids[:size], self.pos[:size], meta, runner.kv_cache.layers)
-            runner.model(*args)  # warm up: lazy initialisation must not happen during capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = runner.model(*args)
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize(dev)
-
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
-        """Logits of all n rows, sampled or not."""
-        n = ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
-        width = meta.block_tables.shape[1]
-        self.ids[:n] = ids
-        self.pos[:n] = pos
-        self.meta.slot_mapping[:n] = meta.slot_mapping
-        self.meta.slot_mapping[n:size] = -1
-        self.meta.block_tables[:n, :width] = meta.block_tables
-        self.meta.context_lens[:n] = meta.context_lens
-        self.meta.context_lens[n:size] = 0
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits[:n]

@@ -111,7 +111,7 @@ class Scheduler:
         budget allows, else (chunked prefill) as many as it allows. Without chunked prefill a prompt
         waits for a step with room for all of it; only a sequence recomputed after preemption can be
         longer than the budget, and it is chunked. Cuts can fall anywhere: no token's result depends
-        on where its prompt was cut (see the README's "Lanes never mix")."""
+        on where its prompt was cut (ARCHITECTURE.md, "Lanes never mix")."""
         n = seq.num_tokens - computed
         if n <= self.budget:
             return n

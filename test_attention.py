@@ -230,11 +230,13 @@ def compiled(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, f"{' '.join(proc.args)}\n{output}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_kernel_compiles_for_sm80_and_sm90(compiles):
     compiled(compiles["kernel"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_binding_compiles_against_torch_headers(compiles):
     compiled(compiles["binding"])

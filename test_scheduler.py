@@ -45,6 +45,7 @@ def lengths_params(n: int, seed: int = 1) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_unchunked_recompute_of_a_sequence_longer_than_the_budget(smollm2_4_layers):
     # Without chunked prefill a prompt runs whole, but a sequence recomputed after preemption holds more
     # tokens than the budget: it must still come back, in budget-sized pieces. Two 100-token prompts
@@ -79,6 +80,7 @@ def shared_prefix(smollm2_4_layers):
     return prompts, params, run(llm, prompts, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_kv_blocks", [512, 40])
 def test_prefix_caching(smollm2_4_layers, shared_prefix, num_kv_blocks):
     prompts, params, expected = shared_prefix
@@ -108,6 +110,7 @@ def finish_steps(engine, prompts, params) -> list[int]:
     return [finished_at[i] for i in ids]
 
 
+@pytest.mark.slow
 def test_static_vs_continuous_mixed_workload(tiny):
     # Scheduling order, not numerics: a tiny model keeps these 200-odd steps quick.
     engines = {mode: LLM(model=tiny, dummy_weights=True, num_kv_blocks=512, max_num_batched_tokens=256,
@@ -157,6 +160,7 @@ def test_static_batch_ended_by_an_abort_answers_at_once(tiny, next_batch):
     assert llm.has_unfinished() == next_batch
 
 
+@pytest.mark.slow
 def test_stop_string_across_tokens(roomy):
     prompt = roomy.tokenizer.apply_chat_template([{"role": "user", "content": "Write two sentences about the ocean."}])
     free = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
@@ -190,6 +194,7 @@ def test_impossible_config_rejected(bad):
         LLM(device="cpu", **bad)
 
 
+@pytest.mark.slow
 def test_text_held_for_a_possible_stop_string_is_released_at_eos(roomy):
     prompt = roomy.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     free = roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0]

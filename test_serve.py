@@ -131,6 +131,7 @@ def test_a_connection_numbered_past_1024_is_served(server):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 def test_a_waiting_request_wakes_its_thread_once_a_second(monkeypatch):
     """A request waiting for a place in the batch wakes its handler thread about once a second: 600 waiting
     ones waking ten times a second each slowed the running streams by a quarter."""
@@ -551,10 +552,11 @@ def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, mon
 
 def test_cli_bad_values_one_line(capsys):
     for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
-                 ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"], ["--bogus"],
+                 ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"],
                  ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"], ["--max-model-len", "1"],
                  ["--dummy-weights", "--model-path", "x.gguf"], ["--device", "cuda:abc"],
-                 ["--served-model-name", ""], ["--allowed-origins", "example.com"]):
+                 ["--served-model-name", ""], ["--served-model-name", "a", ""],
+                 ["--allowed-origins", "example.com"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
@@ -589,6 +591,26 @@ def test_cli_unknown_model_fails_cleanly():
     assert p.returncode == 1 and "no-such-model" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_cli_port_taken_names_the_flag_to_change():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        p = subprocess.run([sys.executable, "serve.py", "--dummy-weights", "--port", str(port)], cwd=HERE, env=ENV,
+                           capture_output=True, text=True, timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert last.startswith(f"serve.py: error: cannot listen on 127.0.0.1:{port}: ") and \
+        f"--port {port + 1}, or --port 0 for any free port" in last, last
+
+
+def test_cli_takes_vllms_underscore_spellings():
+    from serve import _parser
+    args = _parser().parse_args(["--max_num_seqs", "8", "--served_model_name", "my_model", "x", "--no_enable_"
+                                 "chunked_prefill", "--request_timeout=2.5", "--chat-template", "a_b.jinja"])
+    assert (args.max_num_seqs, args.served_model_name, args.enable_chunked_prefill, args.request_timeout,
+            args.chat_template) == (8, ["my_model", "x"], False, 2.5, "a_b.jinja")  # values keep their underscores
+
+
+@pytest.mark.slow
 def test_cli_serves_and_stops_on_sigterm():
     p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--port", "0", "--num-kv-blocks", "64",
                           "--max-model-len", "512"], cwd=HERE, env=ENV, stderr=subprocess.PIPE, text=True)
@@ -691,18 +713,70 @@ def test_an_ipv6_host(tiny):
 
 
 def test_served_model_name(tiny):
+    # As vLLM's --served-model-name: these names only, the first in replies.
     s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
-               served_model_name="my-model")
+               served_model_name=["my-model", "org/my-model"])
     s.start()
     try:
         assert s.wait_ready(120)
-        assert [m["id"] for m in json.loads(request(s, "GET", "/v1/models")[1])["data"]] == ["my-model"]
-        ok = {"model": "my-model", "prompt": [1, 2, 3], "max_tokens": 2}
+        assert [m["id"] for m in json.loads(request(s, "GET", "/v1/models")[1])["data"]] == ["my-model", "org/my-model"]
+        ok = {"model": "org/my-model", "prompt": [1, 2, 3], "max_tokens": 2}
         status, body = request(s, "POST", "/v1/completions", ok)
         assert status == 200 and json.loads(body)["model"] == "my-model"
         assert request(s, "POST", "/v1/completions", {**ok, "model": tiny})[0] == 404
     finally:
         s.stop()
+
+
+def test_the_model_answers_to_its_preset_name_and_hugging_face_id(server, client):
+    """vLLM serves a checkpoint under its Hugging Face id: a client written for it works unchanged. A wrong name's
+    404 lists the names served, which /v1/models lists too, the one replies carry first."""
+    hf = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    names = [m["id"] for m in json.loads(request(server, "GET", "/v1/models")[1])["data"]]
+    assert names == ["smollm2-135m", hf, os.path.basename(server.engine.checkpoint_path)], names
+    for name in names:
+        r = client.completions.create(model=name, prompt="Hi", max_tokens=1)
+        assert r.model == "smollm2-135m"
+    for path, body in [("/v1/chat/completions", {"model": "smollm2-135", "messages": CHAT, "max_tokens": 1}),
+                       ("/v1/completions", {"model": "SmolLM2-135M", "prompt": "Hi", "max_tokens": 1})]:
+        status, raw = request(server, "POST", path, body)
+        error = json.loads(raw)["error"]
+        assert status == 404 and error["code"] == "model_not_found" and f"`{body['model']}`" in error["message"], error
+        assert all(name in error["message"] for name in names), error
+
+
+@pytest.mark.parametrize("model, checkpoint, served, names", [
+    ("smollm2-135m", None, None, ["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"]),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc",
+     None, ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m", "SmolLM2-135M-Instruct"]),  # not the hash
+    ("llama3.1-8b", "/m/Llama-3.1-8B-Instruct-Q4_K_M.gguf", None,
+     ["llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct",
+      "Llama-3.1-8B-Instruct-Q4_K_M.gguf"]),
+    ("/models/my-llama/", "/models/my-llama", None, ["/models/my-llama/", "my-llama"]),
+    ("smollm2-135m", "/m/x.gguf", "mine", ["mine"]),
+])
+def test_model_names(model, checkpoint, served, names):
+    from openai_api import model_names
+    assert model_names(model, checkpoint, served) == names
+
+
+def test_wrong_routes_and_endpoints_name_the_right_one(tiny_server):
+    """A client's base_url without /v1, and a prompt sent for a chat (or messages for a completion), get the
+    route to use in OpenAI's error JSON."""
+    for method, path, near in [("POST", "/chat/completions", "/v1/chat/completions"), ("GET", "/models", "/v1/models"),
+                               ("POST", "/completions", "/v1/completions"), ("GET", "/v1/health", "/health"),
+                               ("GET", "/v1/v1/models", "/v1/models")]:
+        status, raw = request(tiny_server, method, path, {"prompt": "x"} if method == "POST" else None)
+        error = json.loads(raw)["error"]
+        assert status == 404 and f"did you mean {near}?" in error["message"], (path, error)
+        assert ("base_url ends in /v1" in error["message"]) == near.startswith("/v1/"), error
+    assert "did you mean" not in json.loads(request(tiny_server, "GET", "/nowhere")[1])["error"]["message"]
+    for path, body, right in [("/v1/chat/completions", {"prompt": "Hi"}, "/v1/completions"),
+                              ("/v1/completions", {"messages": CHAT}, "/v1/chat/completions")]:
+        status, raw = request(tiny_server, "POST", path, {**body, "max_tokens": 1})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == next(iter(body)) and right in error["message"], error
+        assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_field", error
 
 
 class Killed(BaseException):
@@ -939,6 +1013,7 @@ def short_server():
         yield s
 
 
+@pytest.mark.slow
 def test_fuzz_the_api_from_its_openapi_description(short_server):
     """1,200 requests drawn from /openapi.json's fields, each field's value of its declared type or any JSON
     value: never a 5xx, never a hang, and afterwards a normal request is served and no KV is held."""
@@ -988,6 +1063,7 @@ def test_fuzz_the_api_from_its_openapi_description(short_server):
     assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0
 
 
+@pytest.mark.slow
 def test_a_wheel_holds_everything_the_server_runs(tmp_path):
     """pip install . (not -e) packages every module, the kernel's sources and the live page: the server's
     modules import from the unpacked wheel alone, and the page sits where serve.py looks once installed."""

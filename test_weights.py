@@ -120,6 +120,7 @@ def assert_tp_parts(path: str, config: ModelConfig, whole: dict[str, torch.Tenso
             assert_same(part, {n: weights._cut(t, tp_split(config, n, rank, size)) for n, t in whole.items()})
 
 
+@pytest.mark.slow
 def test_default_gguf_matches_transformers(default_loaded, reference):
     config, state = default_loaded
     assert config == PRESETS[DEFAULT_MODEL]

@@ -48,12 +48,17 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 # Hugging Face repos whose cached snapshots stand in for each preset; the instruct variants, since we serve chat.
-_HF_REPOS: dict[str, tuple[str, ...]] = {
+HF_REPOS: dict[str, tuple[str, ...]] = {
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct",),
     "llama3-8b": ("meta-llama/Meta-Llama-3-8B-Instruct",),
     "llama3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
     "llama3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct",),
 }
+
+# The model cards' recommended sampling: a preset's request defaults when its checkpoint has no
+# generation_config.json (a GGUF), since a small model sampled at temperature 1 rambles.
+CARD_SAMPLING = {"smollm2-135m": {"temperature": 0.2, "top_p": 0.9},
+                 **{m: {"temperature": 0.6, "top_p": 0.9} for m in ("llama3-8b", "llama3.1-8b", "llama3.2-1b")}}
 
 # See sampling_defaults; with transformers' defaults, which a file's values must differ from to count.
 SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
@@ -87,7 +92,7 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
         looked.append(f"$LANESERVE_MODELS/{model}[.gguf] (LANESERVE_MODELS is not set)")
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
-    for repo in _HF_REPOS.get(model, (model,) if "/" in model else ()):
+    for repo in HF_REPOS.get(model, (model,) if "/" in model else ()):
         pattern = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots", "*")
         for snapshot in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
             if found := _checkpoint_at(snapshot):
@@ -178,9 +183,9 @@ def read_gguf(path: str) -> gguf.GGUFReader:
 
 @functools.cache
 def gguf_reader() -> type:
-    """gguf's GGUFReader on a plain array view of the mapped file. Parsing slices the file once per item of its
-    arrays (the vocabulary's 49,152 tokens and 48,900 merges), and np.memmap's Python hooks on every slice made
-    that 2.9 s of a 4.3 s load; plain views take 0.7 s. Imported here: only GGUF files need gguf installed."""
+    """gguf's GGUFReader on a plain array view of the mapped file: parsing slices the file once per item of its
+    arrays (the vocabulary's tokens and merges), and np.memmap's Python hooks on every slice would dominate the
+    load. Imported here: only GGUF files need gguf installed."""
     try:
         from gguf.gguf_reader import GGUFReader
     except ImportError as e:
@@ -377,8 +382,8 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed:
                   device: torch.device | str = "cpu", rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
     """Random weights of the real shapes (for benchmarking), drawn directly in `dtype` so peak memory is the model.
     Norm gains are ones and matrices N(0, 0.02) (the usual Llama init), which keeps activations finite through
-    every layer; the outputs are meaningless. Drawing on the GPU (`device`) takes a second where the CPU needs about
-    a minute for 8B, and skips the host copy; the values then differ from the CPU ones for the same seed. A rank
+    every layer; the outputs are meaningless. Drawing on the GPU (`device`) is far faster than on the CPU and skips
+    the host copy; the values then differ from the CPU ones for the same seed. A rank
     of a tensor-parallel model draws every tensor whole and keeps its part (model.tp_split): any tp_size, one model."""
     tp_check(config, tp_size)
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,44 @@
+"""Command lines, as a vLLM user expects them: `--max_num_seqs` is `--max-num-seqs`, and a mistyped flag
+gets the usage line, the closest real flag, and where the rest are listed."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+
+# Other servers' names for our flags (llama.cpp server, TGI), which a close spelling would not find.
+KNOWN_AS = {"--max-batch-size": "--max-num-seqs", "--batch-size": "--max-num-seqs", "--parallel": "--max-num-seqs",
+            "--ctx-size": "--max-model-len", "--max-total-tokens": "--max-model-len", "--threads": "--torch-threads",
+            "--model-name": "--served-model-name", "--alias": "--served-model-name"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([_dashed(a) for a in args], namespace)  # vLLM takes underscores too
+
+    def error(self, message: str):
+        if not message.startswith("unrecognized arguments: "):  # a flag's value: one line says what is wrong
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        unknown = message.removeprefix("unrecognized arguments: ").split()
+        if hints := [c for arg in unknown if arg.startswith("-") and (c := _closest(arg.split("=")[0], flags))]:
+            message += f" (did you mean {' and '.join(hints)}?)"
+        positionals = "".join(f" {a.metavar or a.dest}" for a in self._actions if not a.option_strings)
+        usage = self.format_usage() if self.usage else f"usage: {self.prog} [options]{positionals}\n"
+        self.exit(2, f"{usage}{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _closest(name: str, flags: list[str]) -> str | None:
+    """The flag a mistyped one most likely meant: ours for another server's name, else the closest spelling."""
+    if KNOWN_AS.get(name) in flags:
+        return KNOWN_AS[name]
+    return next(iter(difflib.get_close_matches(name, flags, 1, 0.7)), None)
+
+
+def _dashed(arg: str) -> str:
+    """'--max_num_seqs=8' -> '--max-num-seqs=8'; values and single-dash flags untouched."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
