@@ -38,6 +38,8 @@ class EngineConfig:
                                              "later, or swaps it to host memory", choices=["recompute", "swap"])
     swap_space: float = knob(4.0, "GiB of host memory for swapped-out KV")
     enable_prefix_caching: bool = knob(False, "share the KV of identical prompt prefixes")
+    prefix_cache_isolation: bool = knob(False, "with prefix caching, a request without cache_salt gets a salt of its "
+                                               "own: only requests sending the same cache_salt share blocks")
     block_size: int = knob(16, "tokens per KV block")
     num_kv_blocks: int | None = knob(None, "exact KV pool size in blocks, overriding the memory knobs", type=int)
     kv_cache_memory: float = knob(2.0, "GiB of KV pool on CPU")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -90,6 +91,8 @@ class Engine:
         params = SamplingParams(**self.sampling_defaults) if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if self.config.prefix_cache_isolation and params.cache_salt is None:  # a salt nobody else can guess
+            params = replace(params, cache_salt=secrets.token_hex(16))
         if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = (self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str)
@@ -155,7 +158,7 @@ class Engine:
                 seq.queue_time = time.monotonic() - seq.arrival_time
             begin, prompt_end = seq.num_computed_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
             self.num_prompt_tokens += max(0, prompt_end - begin)
-            self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end)
+            self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)
             seq.num_computed_tokens += n
         outputs = [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error)
                    for seq, token, logprob, error in sampled]

@@ -67,8 +67,14 @@ class KVCache:
                         d[on_device] = staged.to(d.device, non_blocking=self.pinned)
 
 
+def chain_root(cache_salt: str | None) -> bytes:
+    """h_{-1} of a sequence's key chain: b"" without a salt, else the salt's digest (32 bytes, so no chain of
+    token ids alone can meet a salted one): only sequences of equal salts share blocks."""
+    return b"" if cache_salt is None else hashlib.sha256(cache_salt.encode()).digest()
+
+
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
-    """The prefix-cache key of a full block: h_i = SHA-256(h_{i-1} + its token ids), h_{-1} = b"", so a
+    """The prefix-cache key of a full block: h_i = SHA-256(h_{i-1} + its token ids), h_{-1} = chain_root, so a
     key names the whole prefix. Cryptographic, because a collision would serve one request's KV to
     another, and Python's hash can be made to collide on purpose (from 3.12 hash(None) is a constant)."""
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
@@ -120,13 +126,13 @@ class BlockManager:
                 self.free_blocks[block] = None
         block_table.clear()
 
-    def match_prefix(self, block_table: list[int], token_ids: list[int]) -> int:
+    def match_prefix(self, block_table: list[int], token_ids: list[int], cache_salt: str | None = None) -> int:
         """Share the cached full blocks that start token_ids into an empty block_table; returns
         how many tokens they cover. The block holding the last token is never shared: that token
         is always computed, for its logits, and a sequence must never write into a shared block."""
         if not self.enable_prefix_caching:
             return 0
-        bs, h = self.block_size, b""
+        bs, h = self.block_size, chain_root(cache_salt)
         for i in range((len(token_ids) - 1) // bs):
             h = block_key(h, token_ids[i * bs:(i + 1) * bs])
             block = self.cached.get(h)
@@ -138,14 +144,15 @@ class BlockManager:
             block_table.append(block)
         return len(block_table) * bs
 
-    def publish(self, block_table: list[int], token_ids: list[int], start: int, end: int) -> None:
+    def publish(self, block_table: list[int], token_ids: list[int], start: int, end: int,
+                cache_salt: str | None = None) -> None:
         """Key the blocks that computing prompt tokens start..end-1 has just filled."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         for i in range(start // bs, end // bs):
             block = block_table[i]
-            parent = self.block_hash[block_table[i - 1]] if i else b""
+            parent = self.block_hash[block_table[i - 1]] if i else chain_root(cache_salt)
             if self.block_hash[block] is not None or parent is None:
                 continue  # already keyed (shared), or its prefix is unknown (swapped back in)
             h = self.block_hash[block] = block_key(parent, token_ids[i * bs:(i + 1) * bs])

@@ -17,7 +17,7 @@ SAMPLING_FIELDS = {
     "temperature": "number", "top_p": "number", "top_k": "integer", "min_p": "number", "seed": "integer",
     "stop": ["string", "array"], "stop_token_ids": "array", "ignore_eos": "boolean", "min_tokens": "integer",
     "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
-    "logit_bias": "object", "skip_special_tokens": "boolean", "response_format": "object",
+    "logit_bias": "object", "skip_special_tokens": "boolean", "response_format": "object", "cache_salt": "string",
     "user": "string"}  # user: the client's own end-user id, for its records; changes nothing here
 FIELDS = {
     "/v1/chat/completions": {"messages": "array", "max_completion_tokens": "integer", "logprobs": "boolean",
@@ -173,7 +173,8 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
             frequency_penalty=get(body, "frequency_penalty", float, 0.0), logprobs=logprobs,
             stop_token_ids=stop_ids, min_tokens=get(body, "min_tokens", int, 0),
             repetition_penalty=get(body, "repetition_penalty", float, d.get("repetition_penalty", 1.0)),
-            logit_bias=bias, skip_special_tokens=get(body, "skip_special_tokens", bool, True))
+            logit_bias=bias, skip_special_tokens=get(body, "skip_special_tokens", bool, True),
+            cache_salt=get(body, "cache_salt", str))
     except ValueError as e:  # the messages read "<field> must be ..."
         param = str(e).split()[0]
         if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:

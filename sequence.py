@@ -38,6 +38,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: a seen token's logit divided by it if positive, else multiplied
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     skip_special_tokens: bool = True  # control tokens (<|im_start|>) give no text
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only between requests of equal salts
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -47,6 +48,8 @@ class SamplingParams:
         require([*(typed(n, getattr(self, n), float) for n in numbers),
                  *(typed(n, getattr(self, n), int, n in ("seed", "logprobs")) for n in integers),
                  *(typed(n, getattr(self, n), bool) for n in ("ignore_eos", "skip_special_tokens")),
+                 (self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt,
+                  "cache_salt must be a non-empty string"),
                  (isinstance(self.stop, list) and all(isinstance(x, str) for x in self.stop),
                   "stop must be a string or a list of strings"),
                  (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids),

@@ -261,6 +261,30 @@ def test_prefix_cache_shares_prompt_blocks_only(tiny):
     assert out.token_ids == LLM(**knobs).generate([second], greedy)[0].token_ids
 
 
+def test_cache_salt_isolates_prefixes(tiny):
+    # vLLM's cache_salt: a prompt's blocks are shared only between requests of equal salts (no salt is a salt
+    # of its own), so one tenant cannot time another's prompts; with isolation on, none without a salt share.
+    knobs = dict(model=tiny, dummy_weights=True, num_kv_blocks=64, dtype="float32", device="cpu")
+    llm, prompt = LLM(enable_prefix_caching=True, **knobs), list(range(100, 160))  # 3 full blocks to share
+
+    def run(engine: LLM, salt: str | None):
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, cache_salt=salt))[0]
+        return out.num_cached_tokens, out.token_ids
+
+    alone = LLM(**knobs).generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    assert run(llm, "tenant a") == (0, alone)
+    assert run(llm, "tenant b") == (0, alone)   # another salt: its own blocks
+    assert run(llm, None) == (0, alone)         # no salt: not tenant a's either
+    assert run(llm, "tenant a") == (48, alone)  # the same salt shares, and changes no bit
+    assert run(llm, None) == (48, alone)
+    assert len(llm.block_manager.cached) == 9   # 3 keyed blocks for each of the three salts
+    isolated = LLM(enable_prefix_caching=True, prefix_cache_isolation=True, **knobs)
+    assert [run(isolated, None)[0] for _ in range(2)] == [0, 0]
+    assert [run(isolated, "shared")[0] for _ in range(2)] == [0, 48]
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        SamplingParams(cache_salt="")
+
+
 def test_swap_space_takes_no_memory_until_used():
     # 1 GiB of swap space for a tiny model: its pages are mapped only once swapped blocks are written.
     kv = KVShape(2, 1, 4)

@@ -908,6 +908,22 @@ def test_echo_stop_token_ids_and_cached_tokens(tiny_server, tiny_client):
     assert usage[1].prompt_tokens_details.cached_tokens >= 64  # whole blocks of the shared system prompt
 
 
+def test_cache_salt(tiny_server, tiny_client):
+    system = [{"role": "system", "content": "You answer in two words. " * 8}]
+
+    def cached(question: str, salt: str | None) -> int:
+        return tiny_client.chat.completions.create(
+            model="tiny", messages=system + [{"role": "user", "content": question}], max_tokens=2,
+            extra_body={"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
+
+    got = [cached("Who?", "a"), cached("What?", "b"), cached("When?", None), cached("Where?", "a"), cached("Why?", "b")]
+    assert got[:3] == [0, 0, 0] and min(got[3:]) >= 64  # whole blocks of the system prompt, only for its salt
+    for salt, what in [("", "a non-empty string"), (7, "a string")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            tiny_client.chat.completions.create(model="tiny", messages=CHAT, extra_body={"cache_salt": salt})
+        assert e.value.body["param"] == "cache_salt" and what in e.value.body["message"]
+
+
 def test_access_log_and_request_histograms(tiny_server, tiny_client):
     tiny_server.log = log = io.StringIO()
     try:
