@@ -909,7 +909,7 @@ def test_echo_stop_token_ids_and_cached_tokens(tiny_server, tiny_client):
 
 
 def test_cache_salt(tiny_server, tiny_client):
-    system = [{"role": "system", "content": "You answer in two words. " * 8}]
+    system = [{"role": "system", "content": "Salted prefix, shared by salt only. " * 6}]
 
     def cached(question: str, salt: str | None) -> int:
         return tiny_client.chat.completions.create(
