@@ -1,6 +1,6 @@
 """Decode attention alone, on Llama-3-8B shapes: our CUDA kernel (on a GPU) or cpu.py's decode (on a CPU) beside
-the pure-PyTorch reference. Bandwidth counts the bytes that must be read (every sequence's K and V, and Q):
-decode attention is memory-bound."""
+the pure-PyTorch reference. Bandwidth counts the bytes that must be read (every sequence's K and V, their scales in
+an 8-bit cache, and Q): decode attention is memory-bound."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ import torch
 
 import attention_cuda
 import cpu
+from kv_cache import KV_CACHE_DTYPES
 
 
 def timed(fn, cuda: bool) -> tuple[torch.Tensor, float]:
@@ -62,6 +63,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             nblk = -(-ctx // block)
             try:
                 k, v = (torch.randn(bs * nblk, block, kv_heads, dim, device=dev, dtype=dtype) for _ in range(2))
+                scales = {}
+                if args.kv_cache_dtype != "auto":  # codes and a scale per token and KV head, as store_kv leaves them
+                    kv_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
+                    (k, k_scale), (v, v_scale) = (attention_cuda.quantize_kv(x.flatten(0, 1), kv_dtype) for x in (k, v))
+                    k, v = k.view(-1, block, kv_heads, dim), v.view(-1, block, kv_heads, dim)
+                    scales = dict(k_scale=k_scale.view(-1, block, kv_heads), v_scale=v_scale.view(-1, block, kv_heads))
                 q = torch.randn(bs, heads, dim, device=dev, dtype=dtype)
                 # Scattered, as in a pool.
                 tables = torch.randperm(bs * nblk, device=dev).view(bs, nblk).to(torch.int32)
@@ -70,14 +77,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                 kv_gb = 2 * bs * nblk * block * kv_heads * dim * dtype.itemsize / 1e9
                 raise SystemExit(f"bench_kernel.py: error: batch {bs} at context {ctx} does not fit in {dev.type} "
                                  f"memory (K and V alone take {kv_gb:.3g} GB): lower --batches or --contexts") from None
-            nbytes = (2 * bs * ctx * kv_heads * dim + q.numel()) * k.element_size()
+            row_bytes = dim * k.element_size() + 4 * bool(scales)  # a token's K (or V) of one KV head, its scale
+            nbytes = 2 * bs * ctx * kv_heads * row_bytes + q.numel() * q.element_size()
             row = {"batch": bs, "context": ctx, "bytes": nbytes}
             try:
-                out, row["ours_ms"] = timed(lambda: ours(q, k, v, tables, lens, dim ** -0.5), cuda)
+                out, row["ours_ms"] = timed(lambda: ours(q, k, v, tables, lens, dim ** -0.5, **scales), cuda)
             except RuntimeError as e:  # the kernel's build failed: its message says what is missing
                 raise SystemExit(f"bench_kernel.py: error: {e}") from None
             ref, row["reference_ms"] = timed(lambda: attention_cuda.paged_attention(q, k, v, tables, lens,
-                                                                                  dim ** -0.5), cuda)
+                                                                                  dim ** -0.5, **scales), cuda)
             row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
             rows.append(row)
     return rows
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="bench_kernel.py", description=__doc__)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                   help="the cache read in 8 bits (codes and scales, dequantized by the kernel); auto: --dtype")
     p.add_argument("--batches", type=_number(int), nargs="+", help="batch sizes (default 1..256 on CUDA, 1 4 16 on CPU)")
     p.add_argument("--contexts", type=_number(int), nargs="+", help="context lengths (default 512..8192 on CUDA)")
     p.add_argument("--time-limit", type=_number(float), default=300, help="seconds; the rows measured by then are kept")
@@ -114,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device memory copy: {copy:.1f} GB/s (bytes read + written), the bandwidth the kernel can approach")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
+            json.dump({"copy_gbps": copy, "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -25,6 +25,9 @@ class EngineConfig:
     device: str = knob("auto", "cpu, cuda or cuda:N; auto: CUDA when available")
     dtype: str = knob("auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units, "
                               "else float32", choices=["auto", "float32", "float16", "bfloat16"])
+    kv_cache_dtype: str = knob("auto", "KV cache in 8 bits, a float32 scale per token and KV head (about twice "
+                                       "bfloat16's tokens in the same memory); auto: --dtype",
+                               choices=["auto", "fp8_e4m3", "fp8_e5m2", "int8"])
     quantization: str | None = knob(None, "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): faster for a few "
                                           "streams, slower for many", type=str, choices=["int4"])
     seed: int = knob(0, "seeds the requests that bring none")

@@ -161,15 +161,19 @@ class BucketedAttention:
     - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
       own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
       bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of its keys.
-    The softmax runs between the matmuls in the cache's dtype, where HF's eager attention rounds. No batch has one
-    item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are made CALL_BYTES
-    at a time. A step's first layer plans what depends on the step's BatchMeta alone; the others reuse it."""
+    The softmax runs between the matmuls in the query's dtype, where HF's eager attention rounds. An 8-bit cache's
+    keys and values are dequantized to it as they are copied, each token's from its own codes and scale alone. No
+    batch has one item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are
+    made CALL_BYTES at a time. A step's first layer plans what depends on the step's BatchMeta alone; the others
+    reuse it."""
 
     def __init__(self):
         self.meta: BatchMeta | None = None  # what the plan below was made for
 
-    def plan(self, meta: BatchMeta, k_cache: torch.Tensor) -> None:
-        block_size, key_bytes, kv_heads = k_cache.shape[1], k_cache[0, 0].nbytes, k_cache.shape[2]
+    def plan(self, meta: BatchMeta, k_cache: torch.Tensor, dtype: torch.dtype) -> None:
+        """dtype: the query's, which the keys and values are computed in."""
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        key_bytes = kv_heads * k_cache.shape[3] * dtype.itemsize
         lens, ctx = torch.tensor(meta.query_lens), torch.tensor(meta.host_context_lens)
         seq = torch.arange(len(lens)).repeat_interleave(lens)  # each query row's sequence
         # a row's position: its sequence's context length, less its piece's length, plus its index in the piece
@@ -177,11 +181,11 @@ class BucketedAttention:
         smallest = max(KEY_BUCKET, block_size)
         prompt = pos < torch.tensor(meta.prompt_lens, dtype=torch.long)[seq]
         tables = meta.block_tables.cpu().long()
-        self.spread = torch.eye(kv_heads, dtype=k_cache.dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
+        self.spread = torch.eye(kv_heads, dtype=dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
         self.meta, self.token_calls, self.group_calls = meta, [], []
 
         def score_mask(hidden: torch.Tensor) -> torch.Tensor:  # added to the scores: -inf where hidden, else 0
-            return torch.zeros(hidden.shape, dtype=k_cache.dtype).masked_fill_(hidden, float("-inf"))
+            return torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
 
         def blocks(seqs: torch.Tensor, b: int) -> torch.Tensor:  # their first b keys' blocks, block 0 past the end
             return F.pad(tables[seqs], (0, b // block_size))[:, :b // block_size]
@@ -218,21 +222,25 @@ class BucketedAttention:
                                      index[present], present))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
-                 scale: float) -> torch.Tensor:
+                 scale: float, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if meta is not self.meta:
-            self.plan(meta, k_cache)
+            self.plan(meta, k_cache, query.dtype)
         n, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
         heads_per_kv = heads // kv_heads
         query = query * scale
         out = torch.empty(n, kv_heads, heads_per_kv, dim, dtype=query.dtype)
+
+        def keys_values(blocks: torch.Tensor) -> list[torch.Tensor]:
+            return [gather_keys(c, blocks, s, query.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale))]
         if self.token_calls:
             # Grouped-query attention without a copy of the keys per query head: query head h is laid out
             # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
             # identity, exact), so one matmul with the keys as gathered gives every head its scores.
             q = (query.view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
             for rows, blocks, mask in self.token_calls:
-                k, v = (gather_keys(c, blocks) for c in (k_cache, v_cache))
+                k, v = keys_values(blocks)
                 s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).add_(mask)
                 o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
                 # Backwards: head h's result is the slice of its row that belongs to its KV head.
@@ -245,7 +253,7 @@ class BucketedAttention:
             q = torch.cat((query, query.new_zeros(1, heads, dim)))
             for index, blocks, mask, rows, present in self.group_calls:
                 items, b = mask.shape[0], mask.shape[-1]
-                k, v = (by_kv_head(gather_keys(c, blocks), items, b) for c in (k_cache, v_cache))
+                k, v = (by_kv_head(x, items, b) for x in keys_values(blocks))
                 s = torch.bmm(by_kv_head(q.index_select(0, index), items, GROUP), k.transpose(1, 2))
                 s.view(items, kv_heads, GROUP, heads_per_kv, b).add_(mask[:, None, :, None])
                 o = torch.bmm(s.softmax(-1), v).view(items, kv_heads, GROUP, heads_per_kv, dim).transpose(1, 2)
@@ -254,12 +262,13 @@ class BucketedAttention:
         return out.view(n, heads, dim)
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
+               context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """attention_cuda.paged_attention's signature and result."""
         lens = context_lens.tolist()
         meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), 1,
                          max(lens), [1] * len(lens), lens, [0] * len(lens))
-        return self(query, k_cache, v_cache, meta, scale)
+        return self(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def key_bucket(n: torch.Tensor, smallest: int) -> torch.Tensor:
@@ -271,18 +280,24 @@ def key_bucket(n: torch.Tensor, smallest: int) -> torch.Tensor:
     return (n + step - 1) // step * step
 
 
-def gather_keys(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def gather_keys(cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
     """The slots of blocks ([rows, n] block ids) as [rows, n * block_size, kv_heads * dim], contiguous. A
-    block is one contiguous row of the cache, so the gather is a row index_select: a memcpy per block."""
+    block is one contiguous row of the cache, so the gather is a row index_select: a memcpy per block. With
+    scales (an 8-bit cache), the same blocks' scales too, and the codes dequantized to dtype."""
     x = cache.view(cache.shape[0], -1).index_select(0, blocks.flatten())
+    if scales is not None:
+        s = scales.view(scales.shape[0], -1).index_select(0, blocks.flatten())
+        x = attention_cuda.dequantize_kv(x.view(-1, cache.shape[3]), s.view(-1), dtype)
     return x.view(len(blocks), -1, cache.shape[2] * cache.shape[3])
 
 
 def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """attention_cuda.store_kv, non-finite keys and values stored as 0. BucketedAttention reads slots past a
-    sequence's end (another sequence's, or a block's former owner's) and weighs them by exactly 0 (an added -inf
-    score), which needs finite keys and values. The weights bound the finite keys (an RMSNorm, then a
-    projection); a sequence that went NaN or inf must not reach the next owner of its blocks."""
+                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """attention_cuda.store_kv (quantizing into an 8-bit cache), non-finite keys and values stored as 0.
+    BucketedAttention reads slots past a sequence's end (another sequence's, or a block's former owner's) and weighs
+    them by exactly 0 (an added -inf score), which needs finite keys and values. The weights bound the finite keys
+    (an RMSNorm, then a projection); a sequence that went NaN or inf must not reach the next owner of its blocks."""
     finite = (x.nan_to_num(0.0, 0.0, 0.0) for x in (key, value))
-    attention_cuda.store_kv(*finite, k_cache, v_cache, slot_mapping)
+    attention_cuda.store_kv(*finite, k_cache, v_cache, slot_mapping, k_scale, v_scale)

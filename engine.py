@@ -81,7 +81,8 @@ class Engine:
         """Counters and gauges for the server's /metrics."""
         s, bm = self.scheduler, self.block_manager
         return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
-                "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks, "num_preemptions": s.num_preemptions,
+                "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks, "num_kv_blocks": bm.num_blocks,
+                "num_preemptions": s.num_preemptions,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
                 "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens}
 

@@ -5,11 +5,17 @@ A sequence's token at position p lives in block block_table[p // block_size], ro
 physical slot = block_id * block_size + p % block_size. Blocks are handed out when a sequence
 first needs them and return to the pool the moment the sequence finishes."""
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from attention_cuda import QMAX
+
+# --kv-cache-dtype's 8-bit types (auto: the model's dtype)
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 
 
 @dataclass
@@ -19,8 +25,15 @@ class KVShape:
     head_dim: int
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        # K and V, every layer, every KV head.
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+        # K and V, every layer, every KV head; an 8-bit cache's float32 scale per token and KV head included.
+        per_head = self.head_dim * dtype.itemsize + (4 if dtype in QMAX else 0)
+        return 2 * self.num_layers * block_size * self.num_kv_heads * per_head
+
+    def tensors(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[tuple, torch.dtype]]:
+        """A layer's cache tensors as (shape, dtype): k and v, then for an 8-bit dtype (a key of attention_cuda.QMAX)
+        k_scale and v_scale, one float32 per token and KV head in the same paged layout."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [(shape, dtype)] * 2 + ([(shape[:3], torch.float32)] * 2 if dtype in QMAX else [])
 
 
 def slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
@@ -29,23 +42,28 @@ def slots(block_table: list[int], block_size: int, start: int, end: int) -> list
 
 
 class KVCache:
-    """The physical tensors: per layer, k and v of shape [num_blocks, block_size, kv_heads, head_dim],
-    plus the same layout on the host for swapped-out sequences. The device's are zero-initialised so that
-    masked-out padding reads in attention are finite; the host's are not: a swap-in reads only whole blocks
-    a swap-out wrote, so on CPU the swap space (4 GiB by default) takes memory only as sequences are swapped
-    out (pinned memory for a GPU is locked at once). The swap space is one allocation, viewed per layer:
-    torch's pinned-memory allocator rounds each allocation up to a power of two, which would lock up to
-    twice the swap space if every layer's K and V were allocated on their own."""
+    """The physical tensors: per layer, k and v of shape [num_blocks, block_size, kv_heads, head_dim] (an 8-bit
+    cache's codes, then k_scale and v_scale: see KVShape.tensors), plus the same layout on the host for
+    swapped-out sequences. The device's are zero-initialised so that masked-out padding reads in attention are
+    finite; the host's are not: a swap-in reads only whole blocks a swap-out wrote, so on CPU the swap space
+    (4 GiB by default) takes memory only as sequences are swapped out (pinned memory for a GPU is locked at once).
+    The swap space is one allocation of bytes, viewed per layer and tensor: torch's pinned-memory allocator rounds
+    each allocation up to a power of two, which would lock up to twice the swap space if every layer's K and V
+    were allocated on their own."""
 
     def __init__(self, kv: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, num_swap_blocks: int = 0):
-        shape = (num_blocks, block_size, kv.num_kv_heads, kv.head_dim)
-        self.layers = [tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-                       for _ in range(kv.num_layers)]
+        specs = kv.tensors(num_blocks, block_size, dtype)
+        self.layers = [tuple(torch.zeros(s, dtype=d, device=device) for s, d in specs) for _ in range(kv.num_layers)]
         self.pinned = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
-        swap_shape = (kv.num_layers, 2, num_swap_blocks, *shape[1:])  # one allocation: see above
-        self.host = [tuple(layer) for layer in torch.empty(swap_shape, dtype=dtype, pin_memory=self.pinned)] \
-            if num_swap_blocks else []
+        self.host = []
+        if num_swap_blocks:  # one allocation (see above), every layer's tensors in turn, each 64-byte aligned
+            host = kv.tensors(num_swap_blocks, block_size, dtype) * kv.num_layers
+            sizes = [math.prod(s) * d.itemsize for s, d in host]
+            padded = [-(-n // 64) * 64 for n in sizes]
+            parts = torch.empty(sum(padded), dtype=torch.uint8, pin_memory=self.pinned).split(padded)
+            views = [p[:n].view(d).view(s) for p, n, (s, d) in zip(parts, sizes, host)]
+            self.host = [tuple(views[i:i + len(specs)]) for i in range(0, len(views), len(specs))]
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
         """Copy (device block -> host block) pairs out, then (host block -> device block) pairs in.
@@ -57,6 +75,7 @@ class KVCache:
             on_device = (src if to_host else dst).to(self.layers[0][0].device, non_blocking=self.pinned)
             for dev_kv, host_kv in zip(self.layers, self.host):
                 for d, h in zip(dev_kv, host_kv):
+                    d, h = d.view(torch.uint8), h.view(torch.uint8)  # bytes: torch lacks some float8 indexing
                     if to_host:
                         h[dst] = d[on_device].to("cpu")
                     else:

@@ -32,8 +32,9 @@ class Histogram:
 
 
 def prometheus_text(model_name: str, stats: dict[str, float], alive: bool, ttft: Histogram, itl: Histogram,
-                    queue_time: Histogram, e2e: Histogram) -> str:
-    """The page /metrics serves: `stats` are Engine.stats(), `alive` whether the engine thread still runs."""
+                    queue_time: Histogram, e2e: Histogram, block_size: int, cache_dtype: str) -> str:
+    """The page /metrics serves: `stats` are Engine.stats(), `alive` whether the engine thread still runs; block_size
+    and cache_dtype: the engine's knobs."""
     label, lines = f'model_name="{model_name}"', []
     for name, kind, key, text in [
             ("num_requests_running", "gauge", "num_running", "Sequences in the running batch (vLLM's name)."),
@@ -47,6 +48,12 @@ def prometheus_text(model_name: str, stats: dict[str, float], alive: bool, ttft:
             ("prefix_cache_hits_total", "counter", "prefix_cache_hits", "Prompt tokens found cached.")]:
         lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} {kind}",
                   f"vllm:{name}{{{label}}} {stats.get(key, 0)}"]
+    if "num_kv_blocks" in stats:  # vLLM's: the KV cache's settings as labels, the value always 1
+        blocks = int(stats["num_kv_blocks"])
+        labels = f'block_size="{block_size}",cache_dtype="{cache_dtype}",num_gpu_blocks="{blocks}"'
+        lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig (num_gpu_blocks: the KV "
+                  "pool's blocks, on CPU too).", "# TYPE vllm:cache_config_info gauge",
+                  f"vllm:cache_config_info{{{labels}}} 1"]
     lines += ["# HELP laneserve:engine_alive 0 once the engine thread has died (see /health).",
               "# TYPE laneserve:engine_alive gauge", f"laneserve:engine_alive{{{label}}} {int(alive)}"]
     for name, hist, text in [("time_to_first_token_seconds", ttft, "Time to first token."),

@@ -116,15 +116,17 @@ class Block(nn.Module):
         self.down = nn.Linear(inter, c.hidden_size, bias=False, device="meta")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, ops: "Transformer") -> torch.Tensor:
-        """ops: the model, whose store_kv, attention and all_reduce the CPU and tensor-parallel paths replace."""
+                kv_cache: tuple[torch.Tensor, ...], ops: "Transformer") -> torch.Tensor:
+        """kv_cache: this layer's (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) in 8 bits. ops: the
+        model, whose store_kv, attention and all_reduce the CPU and tensor-parallel paths replace."""
         n, d, h, kv = x.shape[0], self.head_dim, self.heads, self.kv_heads
+        k_cache, v_cache, *scales = kv_cache
         qkv = self.qkv(self.attn_norm(x)).view(n, -1, d)
         # Q and K heads take the same rotation, so they are rotated together in one pass.
         qk = apply_rope(qkv[:, :h + kv], cos, sin)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
-        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = ops.attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(d))
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
+        o = ops.attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(d), *scales)
         x = x + ops.all_reduce(self.o(o.reshape(n, -1)))
         gate, up = self.gate_up(self.mlp_norm(x)).view(n, 2, -1).unbind(1)
         return x + ops.all_reduce(self.down(F.silu(gate) * up))
@@ -158,13 +160,16 @@ class Transformer(nn.Module):
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
-                  scale: float) -> torch.Tensor:
+                  scale: float, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Each query token attends to its own sequence's cached keys up to its position: the decode path
         when every sequence brings one token, else the reference's varlen form."""
         if meta.max_query_len == 1:
-            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len)
+            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
+                               k_scale, v_scale)
         return attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                     meta.query_lens, meta.host_context_lens, scale, self.decode)
+                                                     meta.query_lens, meta.host_context_lens, scale, self.decode,
+                                                     k_scale, v_scale)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -194,12 +199,12 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMeta,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns logits (in the model's dtype) for meta.sample_rows only:
         the LM head is the largest matmul per token and mid-prompt rows never need it."""
         x = self.embed(input_ids)
         cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache, self)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv_cache, self)
         return self.lm_head(self.norm(x[meta.sample_rows]))

@@ -14,7 +14,7 @@ import parallel
 import weights
 from config import EngineConfig
 from cuda_graphs import DecodeGraphs
-from kv_cache import KVCache, KVShape, slots
+from kv_cache import KV_CACHE_DTYPES, KVCache, KVShape, slots
 from model import BatchMeta, ModelConfig, Transformer
 from sampler import TokenLogprob, sample, to_device
 from sequence import SamplingParams, Sequence
@@ -82,6 +82,7 @@ class ModelRunner:
         self.device = self.tp.device if self.tp else device
         default = torch.float32 if self.device.type == "cpu" and not cpu.has_bf16_units() else torch.bfloat16
         self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
+        self.kv_dtype = KV_CACHE_DTYPES.get(c.kv_cache_dtype, self.dtype)
         if self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and graph captures use the current device's stream
         # Rank 0 loads (checking the checkpoint against tp_size) before it spawns anyone, so a bad setting
@@ -134,7 +135,7 @@ class ModelRunner:
         """The KV pool: a fixed size, or what the memory knobs leave once the weights are in."""
         c, mc = self.config, self.model_config
         kv = KVShape(mc.num_hidden_layers, self.model.layers[0].kv_heads, mc.head_dim)
-        per_block = kv.bytes_per_block(c.block_size, self.dtype)
+        per_block = kv.bytes_per_block(c.block_size, self.kv_dtype)
         if c.num_kv_blocks is not None:
             self.num_kv_blocks = c.num_kv_blocks
         elif self.device.type == "cuda":
@@ -151,7 +152,8 @@ class ModelRunner:
                              "--kv-cache-memory or --gpu-memory-utilization, or set --num-kv-blocks")
         self.num_swap_blocks = int(c.swap_space * 2**30) // per_block if c.preemption_mode == "swap" else 0
         try:
-            self.kv_cache = KVCache(kv, self.num_kv_blocks, c.block_size, self.dtype, self.device, self.num_swap_blocks)
+            self.kv_cache = KVCache(kv, self.num_kv_blocks, c.block_size, self.kv_dtype, self.device,
+                                    self.num_swap_blocks)
         except (RuntimeError, MemoryError) as e:  # the allocator's message names no knob
             raise ValueError(f"cannot allocate {self.num_kv_blocks} KV blocks and {self.num_swap_blocks} swap blocks "
                              f"of {per_block} bytes (--num-kv-blocks, --kv-cache-memory, --swap-space): "
@@ -178,7 +180,7 @@ class ModelRunner:
     def _profile_peak_memory(self, kv: KVShape) -> int:
         """GPU bytes the worst step allocates beyond those in use before (weights): what the KV pool must leave free."""
         dev = self.device
-        scratch = KVCache(kv, 1, self.config.block_size, self.dtype, dev)
+        scratch = KVCache(kv, 1, self.config.block_size, self.kv_dtype, dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
         for step in self._profile_steps():

@@ -155,7 +155,8 @@ class Handler(RequestHandler):
     def _metrics(self) -> None:
         app = self.app
         text = metrics.prometheus_text(app.model_names[0] if app.model_names else app.config.model, app.stats,
-                                       not app.dead, app.ttft, app.itl, app.queue_time, app.e2e)
+                                       not app.dead, app.ttft, app.itl, app.queue_time, app.e2e,
+                                       app.config.block_size, app.config.kv_cache_dtype)
         self._send(200, text, metrics.CONTENT_TYPE)
 
     def _tokenize(self, raw: bytes) -> None:
@@ -331,9 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not stop.is_set():
         e, bm = server.engine, server.engine.block_manager
-        kv_tokens = bm.num_blocks * bm.block_size
-        print(f"laneserve: {server.model_names[0]} on {e.device} {str(e.dtype).removeprefix('torch.')}, "
-              f"KV {bm.num_blocks} blocks = {kv_tokens} tokens, max concurrency {config.max_num_seqs} requests "
+        kv_tokens, dtype = bm.num_blocks * bm.block_size, str(e.dtype).removeprefix('torch.')
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        print(f"laneserve: {server.model_names[0]} on {e.device} {dtype}, KV {bm.num_blocks} blocks = {kv_tokens} "
+              f"tokens ({kv_dtype}), max concurrency {config.max_num_seqs} requests "
               f"({kv_tokens / e.max_model_len:.2f}x at the full {e.max_model_len}-token context), "
               f"ready in {time.monotonic() - began:.1f}s, serving {server.url}", file=sys.stderr)
         if e.sampling_defaults:

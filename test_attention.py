@@ -108,14 +108,25 @@ def test_reference_decode_matches_naive():
 CPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-3, rtol=1.2e-2)}
 
 
-def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale, prompt_lens=None):
+def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale, prompt_lens=None, scales=()):
     """cpu.BucketedAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner
-    orders them; prompt_lens: each lane's (by default, every token a generated one)."""
+    orders them; prompt_lens: each lane's (by default, every token a generated one); scales: an 8-bit cache's."""
     lens = [n for _, n in lanes]
     ctx = [c for c, _ in lanes]
     meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32),
                      torch.empty(0), max(lens), max(ctx), lens, ctx, prompt_lens or [0] * len(lanes))
-    return cpu.BucketedAttention()(query, k_cache, v_cache, meta, scale)
+    return cpu.BucketedAttention()(query, k_cache, v_cache, meta, scale, *scales)
+
+
+KV8 = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]  # --kv-cache-dtype int8, fp8_e4m3, fp8_e5m2
+
+
+def quantized(cache, dtype):
+    """A make_batch cache stored in 8 bits: its codes ([num_blocks, block_size, kv_heads, dim]), its scales
+    ([num_blocks, block_size, kv_heads]) and what they dequantize to in float32."""
+    codes, scales = attention_cuda.quantize_kv(cache.flatten(0, 1), dtype)
+    codes, scales = codes.view(cache.shape), scales.view(cache.shape[:3])
+    return codes, scales, attention_cuda.dequantize_kv(codes, scales, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -142,23 +153,28 @@ def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype, kind):
     torch.testing.assert_close(decode.double(), expected[:ones], **CPU_TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kv", [None] + KV8, ids=lambda kv: str(kv or "auto"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("prompt_len", [0, 150, 300])
-def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len):
+def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len, kv):
     # One 300-token sequence (9 query heads over 3 KV heads, blocks of 16), its tokens computed as one
     # prefill piece, as pieces cut at other points (mid-block too), and one by one as decodes, each time
     # beside other sequences of other lengths and kinds: every token's result is the same, bit for bit,
     # whether its sequence's first prompt_len tokens are its prompt (grouped) or not. What a block's former
-    # owner can leave in the slots past the sequence's end changes nothing.
+    # owner can leave in the slots past the sequence's end changes nothing. The same with an 8-bit cache (kv).
     length, heads, kv_heads, dim, bs = 300, 9, 3, 64, 16
     others = [(5, 1), (700, 1), (33, 1), (129, 3), (400, 20)]
     others_prompts = [0, 700, 0, 129, 390]
     query, k_cache, v_cache, tables, _, _ = make_batch(3, [(length, length)] + others, heads, kv_heads, dim, bs, dtype)
     q, table, rest = query[:length], tables[:1], query[length:]
+    scales = ()
+    if kv:
+        (k_cache, k_scale, _), (v_cache, v_scale, _) = quantized(k_cache, kv), quantized(v_cache, kv)
+        scales = k_scale, v_scale
     # the slots past its end, as a former owner of the block gone NaN and huge left them
     slots = tables[0, length // bs] * bs + torch.arange(length % bs, bs)
     junk = torch.tensor([float("nan"), float("inf"), 1e30, -1e30])[torch.arange(len(slots)) % 4, None, None]
-    cpu.store_finite_kv(*[junk.expand(len(slots), kv_heads, dim).to(dtype)] * 2, k_cache, v_cache, slots)
+    cpu.store_finite_kv(*[junk.expand(len(slots), kv_heads, dim).to(dtype)] * 2, k_cache, v_cache, slots, *scales)
 
     def step(pieces):  # pieces of our sequence [(start, end)], then the others; one-token pieces first
         lanes = [(end, end - start) for start, end in pieces] + others
@@ -167,7 +183,7 @@ def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len):
         t = torch.cat([table] * len(pieces) + [tables[1:]])
         prompts = [prompt_len] * len(pieces) + others_prompts
         out = cpu_attention(torch.cat([rows[i] for i in order]), k_cache, v_cache, t[order],
-                            [lanes[i] for i in order], dim ** -0.5, [prompts[i] for i in order])
+                            [lanes[i] for i in order], dim ** -0.5, [prompts[i] for i in order], scales)
         out = out.split([lanes[i][1] for i in order])
         return [out[order.index(i)] for i in range(len(pieces))]
 
@@ -185,6 +201,11 @@ def test_cpu_store_kv_keeps_keys_and_values_finite():
     bad = torch.tensor([float("nan"), float("inf"), -float("inf"), 2.0])[:, None, None].expand(4, 3, 2)
     cpu.store_finite_kv(bad, -bad, k_cache, v_cache, torch.arange(4))
     assert torch.equal(k_cache[0], bad.nan_to_num(0.0, 0.0, 0.0)) and torch.equal(v_cache[0], -k_cache[0])
+    for dtype in KV8:  # zeroed, then quantized
+        codes, scales = torch.zeros(2, 1, 4, 3, 2, dtype=dtype), torch.zeros(2, 1, 4, 3)
+        cpu.store_finite_kv(bad, -bad, *codes, torch.arange(4), *scales)
+        stored = attention_cuda.dequantize_kv(codes, scales, torch.float32)
+        assert torch.equal(stored[0, 0], k_cache[0]) and torch.equal(stored[1, 0], v_cache[0]), dtype
 
 
 def test_store_kv_exact_and_skips_padding():
@@ -200,6 +221,128 @@ def test_store_kv_exact_and_skips_padding():
             k_before[slot // 16, slot % 16] = key[t]
             v_before[slot // 16, slot % 16] = value[t]
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
+
+
+# the 8-bit KV cache (--kv-cache-dtype)
+
+def fp8_round(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y (float64, within the format's range) rounded to the nearest value of fp8 dtype, ties to the even code:
+    from the table of the format's codes, not by torch's cast."""
+    mags = torch.arange(128, dtype=torch.uint8).view(dtype).double()
+    mags = mags[mags.isfinite()]  # code i is the i-th magnitude, in increasing order
+    a = y.abs().flatten()
+    hi = torch.searchsorted(mags, a).clamp(max=len(mags) - 1)
+    lo = (hi - 1).clamp(min=0)
+    below, above = a - mags[lo], mags[hi] - a
+    nearest = torch.where((above < below) | (above == below) & (hi % 2 == 0), hi, lo)
+    return (mags[nearest] * y.sign().flatten()).view(y.shape)
+
+
+def quantize_float64(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract's quantization of float32 x, each float32 operation done in float64 and rounded to float32
+    (a quotient or product of two float32 rounds once so): codes as float64 values, scales."""
+    x, qmax = x.double(), attention_cuda.QMAX[dtype]
+    amax = x.abs().amax(-1)
+    inv = (qmax / amax).float().double()
+    inv = torch.where(inv.isfinite(), inv, 0.0)
+    y = (x * inv[..., None]).float().double()
+    codes = y.round().clamp(-127, 127) if dtype == torch.int8 else fp8_round(y, dtype)
+    return codes, (amax / qmax).float()
+
+
+@pytest.mark.parametrize("dtype", KV8, ids=str)
+def test_quantize_kv_matches_the_formula_in_float64(dtype):
+    g = torch.Generator().manual_seed(1)
+    # random vectors of magnitudes from 1e-30 to 1e30 (tiny values in fp8's subnormals), a zero vector, a vector
+    # of one nonzero value, and vectors whose largest |value| is QMAX (x * inv = x) of values halfway between
+    # two codes: ties, which round to the even code
+    x = torch.randn(40, 3, 64, generator=g) * 10 ** torch.empty(40, 3, 1).uniform_(-30, 30, generator=g)
+    x[0, 0], x[0, 1], x[0, 2] = 0.0, torch.eye(64)[5] * -3.0, torch.eye(64)[7] * 1e-40  # QMAX / 1e-40 is inf
+    mags = torch.arange(128, dtype=torch.uint8).view(dtype).double() if dtype != torch.int8 \
+        else torch.arange(128).double()
+    mags = mags[mags.isfinite()]
+    halves = (mags[:-1] + mags[1:]) / 2
+    ties = halves[torch.randint(len(halves), (6, 3, 64), generator=g)] * (torch.randint(2, (6, 3, 64)) * 2 - 1)
+    ties[..., 0] = attention_cuda.QMAX[dtype]
+    x = torch.cat((x, ties.float()))
+    codes, scales = attention_cuda.quantize_kv(x, dtype)
+    expected_codes, expected_scales = quantize_float64(x, dtype)
+    assert codes.dtype == dtype and scales.dtype == torch.float32 and scales.shape == x.shape[:2]
+    assert torch.equal(codes.double(), expected_codes) and torch.equal(scales, expected_scales)
+    assert torch.equal(codes[0, 0].double(), torch.zeros(64)) and scales[0, 0] == 0  # no division by 0
+    assert torch.equal(codes[0, 2].double(), torch.zeros(64)) and scales[0, 2] > 0  # no inf * x: codes 0, not NaN
+    # bfloat16 keys are quantized from their float32 values
+    assert torch.equal(attention_cuda.quantize_kv(x.bfloat16(), dtype)[0].double(),
+                       quantize_float64(x.bfloat16().float(), dtype)[0])
+
+
+# dtype: (largest relative error of a rounded normal value, largest absolute error below them in units of the
+# scale: half the subnormals' spacing); int8: half a code
+ROUNDING = {torch.float8_e4m3fn: (2 ** -4, 2 ** -10), torch.float8_e5m2: (2 ** -3, 2 ** -17), torch.int8: (0, 0.5)}
+
+
+@pytest.mark.parametrize("dtype", KV8, ids=str)
+def test_store_kv_8_bit_round_trip_within_the_types_bound(dtype):
+    g = torch.Generator().manual_seed(2)
+    codes = torch.zeros(2, 6, 16, 3, 64, dtype=dtype)
+    scales = torch.zeros(2, 6, 16, 3)
+    key, value = torch.randn(2, 10, 3, 64, generator=g) * 10 ** torch.empty(2, 10, 3, 1).uniform_(-4, 4, generator=g)
+    slots = torch.randperm(6 * 16, generator=g)[:10]
+    slots[[2, 5, 9]] = -1
+    store_kv(key, value, *codes, slots, *scales)
+    relative, absolute = ROUNDING[dtype]
+    kept = slots >= 0
+    for x, c, s in zip((key, value), codes, scales):
+        index = slots[kept] // 16, slots[kept] % 16
+        got, scale = attention_cuda.dequantize_kv(c[index], s[index], torch.float32), s[index][..., None]
+        bound = (relative + 1e-6) * x[kept].abs() + (absolute + 1e-4) * scale  # float32's roundings: the 1e-6, 1e-4
+        assert ((got - x[kept]).abs() <= bound).all()
+        assert torch.equal(s[index], x[kept].abs().amax(-1) / attention_cuda.QMAX[dtype])
+        untouched = torch.ones(6 * 16, dtype=torch.bool)
+        untouched[slots[kept]] = False
+        assert not c.view(-1, 3, 64)[untouched].float().any() and not s.view(-1, 3)[untouched].any()
+    # gather_kv reads a sequence's tokens dequantized, in order
+    table = torch.tensor([slots[0] // 16, 4, 5])
+    assert torch.equal(attention_cuda.gather_kv(codes[0], table, 20, scales[0], torch.float64)[slots[0] % 16],
+                       attention_cuda.dequantize_kv(codes[0].view(-1, 3, 64)[slots[0]], scales[0].view(-1, 3)[slots[0]],
+                                                    torch.float64))
+
+
+@pytest.mark.parametrize("dtype", KV8, ids=str)
+def test_reference_attention_reads_8_bit_caches(dtype):
+    # The reference on an 8-bit cache (decode and SDPA paths) against the float64 loop on its dequantized values.
+    lanes = [(1, 1), (37, 1), (100, 1), (7, 7), (50, 9), (70, 16), (33, 33)]
+    query, k_cache, v_cache, tables, lens, starts = make_batch(5, lanes, 9, 3, 64, 16)
+    (k, k_scale, k_values), (v, v_scale, v_values) = quantized(k_cache, dtype), quantized(v_cache, dtype)
+    expected = naive_attention(query.double(), k_values.double(), v_values.double(), tables, lens, starts, 0.125)
+    assert (expected - naive_attention(query.double(), k_cache.double(), v_cache.double(), tables, lens, starts,
+                                       0.125)).abs().max() > 1e-4  # the codes' rounding shows
+    out = paged_attention_varlen(query, k, v, tables, lens, [n for _, n in lanes], lens.tolist(), 0.125,
+                                 k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+    out = paged_attention(query[:3], k, v, tables[:3], lens[:3], 0.125, None, k_scale, v_scale)
+    torch.testing.assert_close(out.double(), expected[:3], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv", KV8, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_attention_reads_8_bit_caches(dtype, kv):
+    # cpu.BucketedAttention on an 8-bit cache, prompt and generated tokens: bit for bit what it computes on a cache
+    # of the values dequantized to the compute dtype (which test_cpu_attention_matches_naive checks), and in
+    # float32 close to the float64 loop on them.
+    lanes = [(1, 1), (15, 1), (300, 1), (1100, 1), (7, 7), (50, 9), (2 * cpu.KEY_BUCKET + 5, 40), (200, 150)]
+    prompt_lens = [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]
+    query, k_cache, v_cache, tables, lens, starts = make_batch(9, lanes, 9, 3, 64, 16, dtype)
+    (k, k_scale, k_values), (v, v_scale, v_values) = quantized(k_cache, kv), quantized(v_cache, kv)
+    out = cpu_attention(query, k, v, tables, lanes, 0.125, prompt_lens, (k_scale, v_scale))
+    expected = cpu_attention(query, k_values.to(dtype), v_values.to(dtype), tables, lanes, 0.125, prompt_lens)
+    assert torch.equal(out, expected)
+    assert not torch.equal(expected, cpu_attention(query, k_cache, v_cache, tables, lanes, 0.125, prompt_lens))
+    if dtype == torch.float32:
+        naive = naive_attention(query.double(), k_values.double(), v_values.double(), tables, lens, starts, 0.125)
+        torch.testing.assert_close(out.double(), naive, **CPU_TOLERANCE[dtype])
+    decode = cpu.BucketedAttention().decode(query[:4], k, v, tables[:4], lens[:4], 0.125, None, k_scale, v_scale)
+    assert torch.equal(decode, expected[:4])
 
 
 # the CUDA sources compile (no GPU needed)
@@ -249,15 +392,31 @@ TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-3),  # fp32 math, different 
              torch.bfloat16: dict(atol=2e-3, rtol=1.2e-2)}
 
 
-def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2):
+def kv_id(kv):
+    return "auto" if kv is None else str(kv).removeprefix("torch.")
+
+
+def stored(k_cache, v_cache, kv):
+    """A make_batch cache as the kernel reads it (kv: an 8-bit type, or None: as it is) on the GPU: the caches and
+    the scales' keyword arguments; and the values the reference reads (an 8-bit cache's dequantized in float32,
+    the kernel's values exactly, so the bounds stay those of the query's dtype)."""
+    if kv is None:
+        return (k_cache.to(DEVICE), v_cache.to(DEVICE)), {}, (k_cache, v_cache)
+    (k, k_scale, k_values), (v, v_scale, v_values) = quantized(k_cache, kv), quantized(v_cache, kv)
+    scales = dict(k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE))
+    return (k.to(DEVICE), v.to(DEVICE)), scales, (k_values, v_values)
+
+
+def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2, kv=None):
     query, k_cache, v_cache, tables, context_lens, _ = make_batch(
         seed, [(n, 1) for n in lens], num_heads, num_kv_heads, head_dim, block_size, dtype,
         extra_columns=extra_columns)
     scale = head_dim ** -0.5
-    args = [t.to(DEVICE) for t in (query, k_cache, v_cache, tables, context_lens)]
-    out = attention_cuda.cuda_paged_attention(*args, scale)
-    assert out.shape == query.shape and out.dtype == dtype and out.device == args[0].device
-    expected = reference_decode(query, k_cache, v_cache, tables, context_lens, scale)
+    caches, scales, values = stored(k_cache, v_cache, kv)
+    q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
+    out = attention_cuda.cuda_paged_attention(q, *caches, t, n, scale, **scales)
+    assert out.shape == query.shape and out.dtype == dtype and out.device == q.device
+    expected = reference_decode(query, *values, tables, context_lens, scale)
     torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
 
 
@@ -270,6 +429,18 @@ def test_kernel_matches_reference(dtype, head_dim, heads, block_size):
     # Contexts ending mid-block, on block and partition (512) boundaries, and several partitions.
     lens = [1, block_size - 1, block_size, block_size + 1, 100, 511, 512, 513, 1300]
     check_kernel(block_size + head_dim, lens, *heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads, block_size", [((4, 4), 8), ((9, 3), 16), ((32, 8), 32), ((8, 1), 16)],
+                         ids=lambda h: f"{h[0]}:{h[1]}" if isinstance(h, tuple) else f"block{h}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv", KV8, ids=kv_id)
+def test_kernel_8_bit_cache_matches_reference(kv, dtype, head_dim, heads, block_size):
+    # 16 codes a lane (4 lanes a row at head_dim 64, so 8 tokens a warp), each row's scale beside its load.
+    lens = [1, block_size - 1, block_size, block_size + 1, 100, 511, 512, 513, 1300]
+    check_kernel(block_size + head_dim, lens, *heads, head_dim, block_size, dtype, kv=kv)
 
 
 @pytest.mark.cuda
@@ -288,20 +459,23 @@ def test_kernel_long_contexts_use_partitions():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kv", [None, *KV8], ids=kv_id)
 @pytest.mark.parametrize("given", [True, False], ids=["max_context_len", "None"])
-def test_kernel_lane_independent_of_batch(given):
+def test_kernel_lane_independent_of_batch(given, kv):
     # A lane's split count comes from its own context, so its output is bitwise the same alone (in a
     # table just wide enough) as beside a 40000-token lane, whose 64 splits size the grid and scratch.
     lens = [1, 100, 513, 5000, 40000]
     query, k_cache, v_cache, tables, context_lens, _ = make_batch(11, [(n, 1) for n in lens], 8, 2, 128, 16,
                                                                   torch.bfloat16)
-    q, k, v, t, n = (x.to(DEVICE) for x in (query, k_cache, v_cache, tables, context_lens))
-    together = attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1, max(lens) if given else None)
-    expected = reference_decode(query, k_cache, v_cache, tables, context_lens, 0.1)
+    (k, v), scales, values = stored(k_cache, v_cache, kv)
+    q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
+    together = attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1, max(lens) if given else None, **scales)
+    expected = reference_decode(query, *values, tables, context_lens, 0.1)
     torch.testing.assert_close(together.float().cpu(), expected, **TOLERANCE[torch.bfloat16])
     for i, ctx in enumerate(lens[:-1]):
         row = t[i:i + 1, :math.ceil(ctx / 16)].contiguous()
-        alone = attention_cuda.cuda_paged_attention(q[i:i + 1], k, v, row, n[i:i + 1], 0.1, ctx if given else None)
+        alone = attention_cuda.cuda_paged_attention(q[i:i + 1], k, v, row, n[i:i + 1], 0.1, ctx if given else None,
+                                                    **scales)
         assert torch.equal(alone, together[i:i + 1]), f"lane {i} ({ctx} tokens)"
 
 
@@ -320,19 +494,32 @@ def test_kernel_strided_query_and_empty_lane():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kv", [None, *KV8], ids=kv_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_kernel_store_kv_exact(dtype):
+def test_kernel_store_kv_exact(dtype, kv):
+    # An 8-bit cache: the kernel's codes and scales are the reference's bit for bit, ties included (token 1's rows:
+    # QMAX, so x * inv is x, then values halfway between two codes, which go to the even one).
     g = torch.Generator().manual_seed(4)
     k_cache, v_cache = torch.randn(2, 9, 16, 8, 128, generator=g).to(dtype)
     qkv = torch.randn(20, (32 + 16) * 128, generator=g).to(dtype)  # fused projection: rows are strided
     key, value = qkv[:, 32 * 128:40 * 128].view(20, 8, 128), qkv[:, 40 * 128:].view(20, 8, 128)
     slots = torch.randperm(9 * 16, generator=g)[:20]
     slots[::4] = -1
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    store_kv(key, value, expected_k, expected_v, slots)
-    k_dev, v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
-    attention_cuda.cuda_store_kv(key.to(DEVICE), value.to(DEVICE), k_dev, v_dev, slots.to(DEVICE))
-    assert torch.equal(k_dev.cpu(), expected_k) and torch.equal(v_dev.cpu(), expected_v)
+    scales = []
+    if kv is not None:  # codes of every byte, scales of any value, to be overwritten where stored
+        k_cache, v_cache = torch.randint(256, (2, 9, 16, 8, 128), generator=g, dtype=torch.uint8).view(kv)
+        scales = list(torch.randn(2, 9, 16, 8, generator=g))
+        codes = torch.arange(128, dtype=torch.uint8).view(kv).float() if kv != torch.int8 else torch.arange(128.0)
+        codes = codes[codes.isfinite()]
+        halfway = (codes[1:] + codes[:-1]) / 2
+        key[1], value[1] = halfway[torch.randint(len(halfway), (2, 8, 128), generator=g)] * (-1) ** torch.arange(128)
+        key[1, :, 0] = value[1, :, 0] = attention_cuda.QMAX[kv]
+    expected = [x.clone() for x in (k_cache, v_cache, *scales)]
+    store_kv(key, value, *expected[:2], slots, *expected[2:])
+    on_device = [x.to(DEVICE) for x in (k_cache, v_cache, *scales)]
+    attention_cuda.cuda_store_kv(key.to(DEVICE), value.to(DEVICE), *on_device[:2], slots.to(DEVICE), *on_device[2:])
+    for got, want in zip(on_device, expected):  # as bytes, so that NaN codes compare too
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.cuda
@@ -362,6 +549,16 @@ def test_kernel_argument_errors():
         (lambda: attention_cuda.cuda_store_kv(q[:, :3], q[:, :3], k, v, torch.zeros(2, dtype=torch.int64,
                                                                                     device=q.device)),
          "key/value must be"),
+    ]
+    k8, v8, scales = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), torch.ones(k.shape[:3], device=q.device)
+    slots = torch.zeros(2, dtype=torch.int64, device=q.device)
+    cases += [
+        (lambda: attention(q, k8, v8, t, n, 1.0), "an 8-bit cache needs k_scale and v_scale"),
+        (lambda: attention(q, k, v, t, n, 1.0, k_scale=scales, v_scale=scales), "are for an 8-bit cache"),
+        (lambda: attention(q, k8, v.to(torch.int8), t, n, 1.0, k_scale=scales, v_scale=scales), "dtype must match"),
+        (lambda: attention(q, k8, v8, t, n, 1.0, k_scale=scales[:1], v_scale=scales), "k_scale must be contiguous"),
+        (lambda: attention(q, k8, v8, t, n, 1.0, k_scale=scales, v_scale=scales.double()), "v_scale must be"),
+        (lambda: attention_cuda.cuda_store_kv(q[:, :2], q[:, :2], k8, v8, slots), "an 8-bit cache needs"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):

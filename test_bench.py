@@ -199,6 +199,17 @@ def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_pat
     assert "speedup" in capsys.readouterr().out
 
 
+def test_kernel_bench_reads_an_8_bit_cache(tmp_path):
+    # Codes and scales in, one byte a value and 4 a token-head row counted (Llama-3-8B shapes: 8 KV heads of 128).
+    path = tmp_path / "kernel.json"
+    argv = ["--device", "cpu", "--batches", "2", "--contexts", "32", "--kv-cache-dtype", "int8", "--json", str(path)]
+    assert bench_kernel.main(argv) == 0
+    report = json.loads(path.read_text())
+    [row] = report["rows"]
+    assert report["kv_cache_dtype"] == "int8" and row["bytes"] == 2 * 2 * 32 * 8 * (128 + 4) + 2 * 32 * 128 * 4
+    assert row["max_abs_diff"] < 1e-4
+
+
 class Stub(BaseHTTPRequestHandler):
     """A minimal OpenAI chat server: streams `max_tokens - short` one-character chunks, `delay` s apart;
     with `refuse`, answers every completion with that HTTP status and OpenAI's error JSON instead. `odd`
@@ -399,6 +410,7 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
     (["--contexts", "-4"], "--contexts: -4 must be finite and > 0"),
     (["--device", "cuda:7"], "not a device here"),
     (["--json", "/nonexistent/k.json"], "--json: cannot write"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice"),
 ])
 def test_kernel_bench_bad_arguments_give_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,9 +1,9 @@
 """Lanes never mix: every request's tokens and logprobs, bit for bit, are those of its lone run, whatever
 runs beside it, however its prompt is cut, whether its prefix came from the cache, and whether it was
-preempted on the way (recomputed or swapped). On random weights in SmolLM2's shapes (so the matmul and
-attention kernels are the real model's), 2 layers and a vocabulary of 8192: the rule is about how each
-sequence's arithmetic is arranged, not about the weights' values, and logprobs compared bit for bit
-show any difference at once."""
+preempted on the way (recomputed or swapped), with the KV cache in the model's dtype or in 8 bits. On
+random weights in SmolLM2's shapes (so the matmul and attention kernels are the real model's), 2 layers
+and a vocabulary of 8192: the rule is about how each sequence's arithmetic is arranged, not about the
+weights' values, and logprobs compared bit for bit show any difference at once."""
 import random
 from collections import defaultdict
 
@@ -16,6 +16,9 @@ pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m 
 
 MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
          "int4": dict(dtype="bfloat16", quantization="int4")}
+# (mode, --kv-cache-dtype): each 8-bit KV type in bfloat16, where the scores round most
+KV_MODES = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"), ("bfloat16", "fp8_e4m3"),
+            ("bfloat16", "fp8_e5m2")]
 
 
 def engine(model: str, mode: str, **knobs) -> LLM:
@@ -46,14 +49,16 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(300, 8192) for _ in range(n)]
 
 
-@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
-def test_64_lanes_sampling_together(smollm2_shapes, mode):
+@pytest.mark.parametrize("mode, kv_cache_dtype", KV_MODES)
+def test_64_lanes_sampling_together(smollm2_shapes, mode, kv_cache_dtype):
     # 62 short prompts (3-60 tokens) that decode 10-16 tokens, and 2 of 400 tokens arriving last, whose
     # prefill runs beside 62 decodes; a budget of 256 cuts prompts wherever it runs out.
     rng = random.Random(64)
     requests = [(random_prompt(rng, rng.randint(3, 60)), greedy(rng.randint(10, 16))) for _ in range(62)]
     requests += [(random_prompt(rng, 400), greedy(rng.randint(2, 6))) for _ in range(2)]
-    llm = engine(smollm2_shapes, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True)
+    llm = engine(smollm2_shapes, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True,
+                 kv_cache_dtype=kv_cache_dtype)
+    assert len(llm.runner.kv_cache.layers[0]) == (2 if kv_cache_dtype == "auto" else 4)  # codes and scales
     together = run(llm, requests)
     assert any(sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step)
                for step in llm.trace)
@@ -70,17 +75,17 @@ def shared_prefixes(smollm2_shapes) -> list[tuple[list[int], SamplingParams]]:
             for system in systems + [[]] for _ in range(4)]
 
 
-@pytest.mark.parametrize("mode", ["float32", "bfloat16", "int4"])
-def test_lanes_alone_equal_lanes_together_in_every_path(smollm2_shapes, shared_prefixes, mode):
-    requests = shared_prefixes
-    expected = alone(engine(smollm2_shapes, mode, max_num_batched_tokens=512), requests)
+@pytest.mark.parametrize("mode, kv_cache_dtype", KV_MODES + [("int4", "auto"), ("int4", "int8")])
+def test_lanes_alone_equal_lanes_together_in_every_path(smollm2_shapes, shared_prefixes, mode, kv_cache_dtype):
+    requests, kv = shared_prefixes, dict(kv_cache_dtype=kv_cache_dtype)
+    expected = alone(engine(smollm2_shapes, mode, max_num_batched_tokens=512, **kv), requests)
     for budget in (32, 64, 512):
-        llm = engine(smollm2_shapes, mode, max_num_batched_tokens=budget, enable_prefix_caching=True)
+        llm = engine(smollm2_shapes, mode, max_num_batched_tokens=budget, enable_prefix_caching=True, **kv)
         assert run(llm, requests) == expected, budget
         assert llm.scheduler.prefix_hits > 0
     for preemption in ("recompute", "swap"):  # 24 blocks of 16 tokens: a few sequences at a time
         llm = engine(smollm2_shapes, mode, num_kv_blocks=24, max_num_batched_tokens=64,
-                     preemption_mode=preemption, swap_space=0.05)
+                     preemption_mode=preemption, swap_space=0.05, **kv)
         assert run(llm, requests) == expected, preemption
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks

@@ -55,12 +55,13 @@ def run(prompts: list, params: SamplingParams = GREEDY, **knobs) -> tuple[list[l
         llm.close()
 
 
-@pytest.mark.parametrize("kv_heads,tp", [(4, 2), (2, 4)])  # KV heads split, then replicated (tp > KV heads)
-def test_tp_gives_tp1_tokens_and_lanes_never_mix(preset, kv_heads, tp):
+# KV heads split, then replicated (tp > KV heads); an 8-bit KV cache (each rank's heads and their scales)
+@pytest.mark.parametrize("kv_heads,tp,kv_cache_dtype", [(4, 2, "auto"), (2, 4, "auto"), (4, 2, "int8")])
+def test_tp_gives_tp1_tokens_and_lanes_never_mix(preset, kv_heads, tp, kv_cache_dtype):
     """TP's greedy tokens are TP=1's; and under TP a request's tokens and logprobs are the same bits alone
     as beside the others (two ranks all-reduce, four gather and add in rank order)."""
     model = preset(kv_heads)
-    knobs = dict(model=model, dummy_weights=True, num_kv_blocks=64)
+    knobs = dict(model=model, dummy_weights=True, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
     tp1 = run(PROMPTS, **knobs)[0]
     llm = LLM(device="cpu", dtype="float32", **knobs, tensor_parallel_size=tp)
     try:

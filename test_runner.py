@@ -55,7 +55,9 @@ def test_graph_replay_samples_the_right_rows(tiny):
     assert [(s, t, lp.logprob) for s, t, lp, _ in replayed] == [(s, t, lp.logprob) for s, t, lp, _ in eager]
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(preemption_mode="swap", num_kv_blocks=12)], ids=["decode", "swapping"])
+@pytest.mark.parametrize("knobs", [{}, dict(preemption_mode="swap", num_kv_blocks=12),
+                                   dict(preemption_mode="swap", num_kv_blocks=12, kv_cache_dtype="fp8_e4m3")],
+                         ids=["decode", "swapping", "swapping-fp8"])
 def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
     # DecodeGraphs itself on CPU: its ladder of sizes, static buffers and padding rows. A stand-in graph keeps
     # the model call it captured and reruns it on the same static tensors at replay, writing into the
@@ -136,10 +138,11 @@ def test_one_host_sync_per_step(tiny, monkeypatch):
     assert steps > 3
 
 
-def test_profile_covers_the_worst_steps(tiny):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_profile_covers_the_worst_steps(tiny, kv_cache_dtype):
     # KV sizing on a GPU measures the peak of these steps: the full token budget as a chunk whose attention
     # spans max_model_len keys, and max_num_seqs decodes at that context. They must be real steps.
-    llm = engine(tiny, max_model_len=300, max_num_batched_tokens=96, max_num_seqs=5)
+    llm = engine(tiny, max_model_len=300, max_num_batched_tokens=96, max_num_seqs=5, kv_cache_dtype=kv_cache_dtype)
     chunk, decodes = llm.runner._profile_steps()
     assert [(s.num_computed_tokens + n, n) for s, n in chunk] == [(300, 96)]
     assert [(s.num_computed_tokens + n, n) for s, n in decodes] == [(300, 1)] * 5
@@ -152,6 +155,24 @@ def test_profile_covers_the_worst_steps(tiny):
         ids, pos, meta = StepBatch.build(step, r.config.block_size)[0].to_device(r.device)
         scratch = [tuple(t[:1] for t in layer) for layer in r.kv_cache.layers]  # one block, as on the GPU
         assert r.model(ids, pos, meta, scratch).shape == (len(step), llm.model_config.vocab_size)
+
+
+def test_8_bit_kv_cache_holds_about_twice_bfloat16s_tokens(smollm2_shapes):
+    # SmolLM2's shapes, 2 layers of 3 KV heads of 64: a token's K or V per layer and KV head takes 256 bytes in
+    # float32, 128 in bfloat16, and in 8 bits 64 bytes of codes and a 4-byte float32 scale. 16 MiB of pool:
+    memory, blocks = 2**30 / 64, {}
+    for dtype, kv, per_head in [("float32", "auto", 256), ("bfloat16", "auto", 128), ("bfloat16", "int8", 68),
+                                ("bfloat16", "fp8_e4m3", 68), ("float32", "fp8_e5m2", 68)]:
+        r = LLM(model=smollm2_shapes, dummy_weights=True, device="cpu", dtype=dtype, kv_cache_dtype=kv,
+                kv_cache_memory=1 / 64).runner
+        per_block = 2 * 2 * 16 * 3 * per_head
+        held = sum(t.nbytes for layer in r.kv_cache.layers for t in layer)
+        assert held == r.num_kv_blocks * per_block and memory - per_block < held <= memory, (dtype, kv)
+        assert all(not t.float().any() for layer in r.kv_cache.layers for t in layer)  # zero-initialised
+        blocks[dtype, kv] = r.num_kv_blocks
+    assert 1.85 < blocks["bfloat16", "int8"] / blocks["bfloat16", "auto"] < 1.9  # 128 / 68
+    assert 3.7 < blocks["float32", "fp8_e5m2"] / blocks["float32", "auto"] < 3.8  # 256 / 68
+    assert blocks["bfloat16", "int8"] == blocks["bfloat16", "fp8_e4m3"] == blocks["float32", "fp8_e5m2"]
 
 
 def test_kv_cache_takes_what_is_free():

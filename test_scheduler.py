@@ -188,7 +188,7 @@ def test_logprobs(roomy):
 
 @pytest.mark.parametrize("bad", [dict(block_size=12), dict(max_num_batched_tokens=8), dict(max_model_len=10**6),
                                  dict(num_kv_blocks=-1), dict(max_num_seqs=0), dict(scheduling="fifo"),
-                                 dict(preemption_mode="drop"), dict(kv_cache_memory=-1)])
+                                 dict(preemption_mode="drop"), dict(kv_cache_memory=-1), dict(kv_cache_dtype="fp8")])
 def test_impossible_config_rejected(bad):
     with pytest.raises(ValueError):
         LLM(device="cpu", **bad)
@@ -285,12 +285,13 @@ def test_cache_salt_isolates_prefixes(tiny):
         SamplingParams(cache_salt="")
 
 
-def test_swap_space_takes_no_memory_until_used():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
+def test_swap_space_takes_no_memory_until_used(dtype):
     # 1 GiB of swap space for a tiny model: its pages are mapped only once swapped blocks are written.
     kv = KVShape(2, 1, 4)
-    blocks = 2**30 // kv.bytes_per_block(2, torch.float32)
+    blocks = 2**30 // kv.bytes_per_block(2, dtype)
     before = resident_bytes()
-    cache = KVCache(kv, num_blocks=2, block_size=2, dtype=torch.float32, device="cpu", num_swap_blocks=blocks)
+    cache = KVCache(kv, num_blocks=2, block_size=2, dtype=dtype, device="cpu", num_swap_blocks=blocks)
     assert resident_bytes() - before < 2**26
     cache.swap([(0, blocks - 1)], [])
     assert resident_bytes() - before < 2**26
@@ -303,14 +304,18 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_swap_copies_out_before_in():
-    # One step may swap a sequence out and another in onto the very blocks the first one left.
-    cache = KVCache(KVShape(2, 1, 4), num_blocks=2, block_size=2, dtype=torch.float32, device="cpu",
-                    num_swap_blocks=2)
-    for i, (k, v) in enumerate(cache.layers):
-        k[0], v[0] = 1.0 + i, -1.0 - i         # device block 0: the sequence going out
-        cache.host[i][0][1], cache.host[i][1][1] = 7.0, -7.0  # host block 1: the one coming back
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn], ids=str)
+def test_swap_copies_out_before_in(dtype):
+    # One step may swap a sequence out and another in onto the very blocks the first one left. An 8-bit cache's
+    # scales (k_scale, v_scale after k and v) move with their blocks.
+    cache = KVCache(KVShape(2, 1, 4), num_blocks=2, block_size=2, dtype=dtype, device="cpu", num_swap_blocks=2)
+    assert [len(layer) for layer in cache.layers + cache.host] == [2 if dtype == torch.float32 else 4] * 4
+    for i, (layer, host) in enumerate(zip(cache.layers, cache.host)):
+        for j, (t, h) in enumerate(zip(layer, host)):
+            t[0] = 1.0 + 4 * i + j  # device block 0: the sequence going out
+            h[1] = -1.0 - 4 * i - j  # host block 1: the one coming back
     cache.swap([(0, 0)], [(1, 0)])
-    for i, ((k, v), (hk, hv)) in enumerate(zip(cache.layers, cache.host)):
-        assert (hk[0] == 1.0 + i).all() and (hv[0] == -1.0 - i).all()
-        assert (k[0] == 7.0).all() and (v[0] == -7.0).all()
+    for i, (layer, host) in enumerate(zip(cache.layers, cache.host)):
+        for j, (t, h) in enumerate(zip(layer, host)):
+            assert (h[0].float() == 1.0 + 4 * i + j).all() and (t[0].float() == -1.0 - 4 * i - j).all(), (i, j)
+            assert (t[1].float() == 0).all() and t.dtype == h.dtype and t.shape[1:] == h.shape[1:]

@@ -103,6 +103,7 @@ def test_health_models_and_metrics(server):
                  "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total"]:
         assert f"# TYPE vllm:{name} " in text
+    assert '\nvllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="512"} 1\n' in text
     for name in ["time_to_first_token_seconds", "inter_token_latency_seconds"]:
         assert f"# TYPE vllm:{name} histogram" in text
         assert f'vllm:{name}_bucket{{model_name="smollm2-135m",le="+Inf"}}' in text
@@ -613,7 +614,8 @@ def test_cli_takes_vllms_underscore_spellings():
 @pytest.mark.slow
 def test_cli_serves_and_stops_on_sigterm():
     p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--port", "0", "--num-kv-blocks", "64",
-                          "--max-model-len", "512"], cwd=HERE, env=ENV, stderr=subprocess.PIPE, text=True)
+                          "--max-model-len", "512", "--kv-cache-dtype", "int8"], cwd=HERE, env=ENV,
+                         stderr=subprocess.PIPE, text=True)
     try:
         lines = []
         for line in p.stderr:
@@ -621,9 +623,12 @@ def test_cli_serves_and_stops_on_sigterm():
             if "serving http" in line:
                 break
         summary = lines[-1]
-        assert "KV 64 blocks = 1024 tokens" in summary and " on cpu " in summary, lines
+        assert "KV 64 blocks = 1024 tokens (int8)" in summary and " on cpu " in summary, lines
         host, port = re.search(r"http://([\d.]+):(\d+)", summary).groups()
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        assert '\nvllm:cache_config_info{block_size="16",cache_dtype="int8",num_gpu_blocks="64"} 1\n' in text, text
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
         r = conn.getresponse()
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1

@@ -8,36 +8,73 @@ import torch
 import torch.nn.functional as F
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+# The 8-bit KV cache types (--kv-cache-dtype) and their largest code: a stored token-head vector's largest |value|
+# becomes QMAX, so that its scale, amax / QMAX, is one float32 per token and KV head (the lanes rule: a token's
+# stored bytes depend on its own values alone).
+QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, kv_heads, head_dim] as codes of dtype (one of QMAX's) and float32 scales [n, kv_heads], in float32:
+    code = x * (QMAX / amax), rounded to nearest even (int8: clamped to +-127); scale = amax / QMAX. The CUDA
+    kernel computes the same, bit for bit. Tensors on both sides of each division: torch multiplies by a
+    reciprocal instead for number / tensor, and on CUDA for tensor / number."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    qmax = torch.full_like(amax, QMAX[dtype])
+    inv = qmax / amax
+    inv = torch.where(inv.isfinite(), inv, 0.0)  # amax 0, NaN or below ~1e-36 (QMAX / amax overflows): codes 0
+    y = x * inv[..., None]
+    codes = y.round().clamp_(-127, 127).to(dtype) if dtype == torch.int8 else y.to(dtype)
+    return codes, amax / qmax
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_kv's inverse, up to its rounding: code * scale in float32, then cast to dtype."""
+    return (codes.float() * scales[..., None]).to(dtype)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Write each new token's K/V ([num_tokens, kv_heads, dim]) into the paged cache ([num_blocks, block_size,
-    kv_heads, dim]) at its slot = block_id * block_size + offset; slot -1 (padding) is skipped."""
+    kv_heads, dim]) at its slot = block_id * block_size + offset; slot -1 (padding) is skipped. With scales
+    ([num_blocks, block_size, kv_heads] float32: an 8-bit cache), quantized (quantize_kv)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    # Viewing the cache as [num_slots, heads, dim] turns the slot into a plain row index.
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if scales is not None:
+            x, s = quantize_kv(x, cache.dtype)
+            scales.view(-1, scales.shape[2]).index_copy_(0, slot_mapping, s)
+            x, cache = x.view(torch.uint8), cache.view(torch.uint8)  # torch has no float8 index_copy_
+        # Viewing the cache as [num_slots, heads, dim] turns the slot into a plain row index.
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """One sequence's first num_tokens cached tokens, in order: [num_tokens, kv_heads, dim]. Token t
-    lives in block block_table[t // block_size], row t % block_size."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scales: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's first num_tokens cached tokens, in order: [num_tokens, kv_heads, dim]; with scales (an 8-bit
+    cache), dequantized to dtype. Token t lives in block block_table[t // block_size], row t % block_size."""
     t = torch.arange(num_tokens, device=cache.device)
-    return cache[block_table.to(cache.device)[t // cache.shape[1]].long(), t % cache.shape[1]]
+    index = block_table.to(cache.device)[t // cache.shape[1]].long(), t % cache.shape[1]
+    return cache[index] if scales is None else dequantize_kv(cache[index], scales[index], dtype)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
+                    context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to its
     sequence's first context_lens[i] cached tokens (its own included) alone; query head h reads KV head
     h // (num_heads / num_kv_heads) (grouped-query attention). In float32 (float64 stays float64), sequence by
-    sequence; returns query's shape and dtype (zeros for context 0). max_context_len: for the kernel's signature."""
+    sequence; returns query's shape and dtype (zeros for context 0). max_context_len: for the kernel's signature.
+    k_scale, v_scale: an 8-bit cache's (see store_kv)."""
     group = query.shape[1] // k_cache.shape[2]
     acc = torch.promote_types(query.dtype, torch.float32)
     out = torch.empty_like(query)
     for i, n in enumerate(context_lens.tolist()):
-        k, v = (gather_kv(c, block_tables[i], n).to(acc).repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
+        k, v = (gather_kv(c, block_tables[i], n, s, acc).to(acc).repeat_interleave(group, dim=1)
+                for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         scores = torch.einsum("hd,nhd->hn", query[i].to(acc), k) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(query.dtype)
     return out
@@ -45,22 +82,23 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: list[int],
-                           host_context_lens: list[int], scale: float,
-                           decode: Callable = paged_attention) -> torch.Tensor:
+                           host_context_lens: list[int], scale: float, decode: Callable = paged_attention,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for a flattened batch of sequences. Sequence i owns the next query_lens[i] rows of query
     ([total_tokens, num_heads, head_dim]), the last of its context_lens[i] tokens: row j sits at position
     context_len - q_len + j and sees keys 0..that position of its sequence alone. The leading one-token sequences
-    go to `decode` together (the CUDA kernel on GPU), the rest to SDPA. query_lens, host_context_lens: host lists."""
+    go to `decode` together (the CUDA kernel on GPU), the rest to SDPA. query_lens, host_context_lens: host lists.
+    k_scale, v_scale: an 8-bit cache's, its keys and values dequantized to query's dtype for SDPA."""
     ones = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
     out = torch.empty_like(query)
     if ones:
         out[:ones] = decode(query[:ones], k_cache, v_cache, block_tables[:ones], context_lens[:ones], scale,
-                            max(host_context_lens[:ones]))
+                            max(host_context_lens[:ones]), k_scale=k_scale, v_scale=v_scale)
     s = ones
     for i in range(ones, len(query_lens)):
         n, ctx = query_lens[i], host_context_lens[i]
-        k = gather_kv(k_cache, block_tables[i], ctx).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
-        v = gather_kv(v_cache, block_tables[i], ctx).transpose(0, 1)[None]
+        k, v = (gather_kv(c, block_tables[i], ctx, sc, query.dtype).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
+                for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))
         q = query[s:s + n].unsqueeze(0).transpose(1, 2)
         if n == ctx:  # a whole prompt in one chunk: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -109,25 +147,31 @@ def _kernels():
 
 def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         max_context_len: int | None = None) -> torch.Tensor:
+                         max_context_len: int | None = None, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new contiguous tensor).
     head_dim 64 or 128, block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and context_lens int32
     on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens
     entry or more, from the host (so no device sync); it bounds the fp32 scratch. None: all that block_tables
-    addresses. Each sequence's result depends on its own context alone."""
+    addresses. Each sequence's result depends on its own context alone. An 8-bit cache (float8_e4m3fn,
+    float8_e5m2, int8) needs its k_scale and v_scale; the kernel dequantizes as it loads."""
     if max_context_len is None:  # 0 for shapes the binding rejects, so that its message is the one raised
         shaped = block_tables.dim() == 2 and k_cache.dim() == 4
         max_context_len = block_tables.shape[1] * k_cache.shape[1] if shaped else 0
     with torch.cuda.device(query.device if query.is_cuda else -1):
         return _kernels().paged_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                          int(max_context_len), torch.cuda.current_stream().cuda_stream)
+                                          int(max_context_len), k_scale, v_scale,
+                                          torch.cuda.current_stream().cuda_stream)
 
 
-def cuda_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """store_kv on CUDA tensors, by the kernel (slot_mapping int64, -1 skipped). Current stream."""
+def cuda_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
+    """store_kv on CUDA tensors, by the kernel (slot_mapping int64, -1 skipped). Current stream. With scales (an
+    8-bit cache), quantized: codes and scales bit for bit quantize_kv's."""
     with torch.cuda.device(key.device if key.is_cuda else -1):
-        _kernels().store_kv(key, value, k_cache, v_cache, slot_mapping, torch.cuda.current_stream().cuda_stream)
+        _kernels().store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                            torch.cuda.current_stream().cuda_stream)
 
 
 def cuda_extension():

@@ -27,27 +27,44 @@ void check_on(const at::Tensor& t, const char* name, const at::Tensor& like) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like) {
+// The caches, and their scales where they hold 8-bit codes; returns the launchers' cache_dtype (0: like's dtype).
+int check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& like,
+                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   check_on(k_cache, "k_cache", like);
   check_on(v_cache, "v_cache", like);
   TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
               k_cache.sizes());
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "v_cache shape ", v_cache.sizes(), " != k_cache shape ",
               k_cache.sizes());
-  TORCH_CHECK(k_cache.scalar_type() == like.scalar_type() && v_cache.scalar_type() == like.scalar_type(),
-              "k_cache/v_cache dtype must match ", like.scalar_type());
+  const auto type = k_cache.scalar_type();
+  const int cache_dtype = type == like.scalar_type() ? 0 : type == at::kFloat8_e4m3fn ? 1
+                        : type == at::kFloat8_e5m2 ? 2 : type == at::kChar ? 3 : -1;
+  TORCH_CHECK(cache_dtype >= 0 && v_cache.scalar_type() == type, "k_cache/v_cache dtype must match ",
+              like.scalar_type(), " or be one 8-bit type (float8_e4m3fn, float8_e5m2, int8), got ", type, " and ",
+              v_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
   TORCH_CHECK(aligned16(k_cache) && aligned16(v_cache), "k_cache and v_cache must be 16-byte aligned");
+  TORCH_CHECK(k_scale.has_value() == (cache_dtype != 0) && v_scale.has_value() == (cache_dtype != 0),
+              cache_dtype ? "an 8-bit cache needs k_scale and v_scale" : "k_scale and v_scale are for an 8-bit cache");
+  if (cache_dtype)
+    for (const auto& [t, name] : {std::pair(*k_scale, "k_scale"), std::pair(*v_scale, "v_scale")}) {
+      check_on(t, name, like);
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.sizes() == k_cache.sizes().slice(0, 3) && t.is_contiguous(),
+                  name, " must be contiguous float32 [num_blocks, block_size, num_kv_heads] = ",
+                  k_cache.sizes().slice(0, 3), ", got ", t.scalar_type(), " ", t.sizes());
+    }
+  return cache_dtype;
 }
 
 void check(const char* err) { TORCH_CHECK(err == nullptr, "CUDA kernel launch failed: ", err ? err : ""); }
 
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                               at::Tensor block_tables, at::Tensor context_lens, double scale,
-                              int64_t max_context_len, int64_t stream) {
+                              int64_t max_context_len, std::optional<at::Tensor> k_scale,
+                              std::optional<at::Tensor> v_scale, int64_t stream) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got one on ", query.device());
   const int dtype = dtype_code(query);
-  check_cache(k_cache, v_cache, query);
+  const int cache_dtype = check_cache(k_cache, v_cache, query, k_scale, v_scale);
   check_on(block_tables, "block_tables", query);
   check_on(context_lens, "context_lens", query);
   TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", query.sizes());
@@ -81,7 +98,9 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
   PagedAttentionParams p{out.data_ptr(), nullptr, nullptr, query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                          block_tables.data_ptr<int>(), context_lens.data_ptr<int>(), (int)num_seqs, (int)num_heads,
                          (int)num_kv_heads, (int)head_dim, (int)block_size, (int)block_tables.size(1), 1, dtype,
-                         query.stride(0), query.stride(1), (float)scale};
+                         query.stride(0), query.stride(1), (float)scale,
+                         cache_dtype ? k_scale->data_ptr<float>() : nullptr,
+                         cache_dtype ? v_scale->data_ptr<float>() : nullptr, cache_dtype};
   p.num_splits = laneserve_attention_splits(max_context_len);  // and each sequence its own, at most this
   // Freed on return, which is safe: `stream` is torch's current one, on which the allocator orders reuse.
   at::Tensor tmp_out, tmp_ml;
@@ -97,12 +116,13 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
 }
 
 void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
-              at::Tensor slot_mapping, int64_t stream) {
+              at::Tensor slot_mapping, std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale,
+              int64_t stream) {
   TORCH_CHECK(key.is_cuda(), "key must be a CUDA tensor, got one on ", key.device());
-  dtype_code(key);
+  const int dtype = dtype_code(key);
   check_on(value, "value", key);
   check_on(slot_mapping, "slot_mapping", key);
-  check_cache(k_cache, v_cache, key);
+  const int cache_dtype = check_cache(k_cache, v_cache, key, k_scale, v_scale);
   TORCH_CHECK(value.scalar_type() == key.scalar_type(), "value dtype must match key's");
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == k_cache.size(2) &&
                   key.size(2) == k_cache.size(3),
@@ -115,6 +135,14 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
   for (const auto& t : {key, value})
     TORCH_CHECK(t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)) && (t.stride(0) * elt) % 16 == 0 && aligned16(t),
                 "key/value rows must be contiguous and 16-byte aligned (use .contiguous())");
+  if (cache_dtype) {
+    check(laneserve_store_kv_quantized(k_cache.data_ptr(), v_cache.data_ptr(), k_scale->data_ptr<float>(),
+                                       v_scale->data_ptr<float>(), key.data_ptr(), value.data_ptr(),
+                                       slot_mapping.data_ptr<int64_t>(), (int)key.size(0), (int)key.size(1),
+                                       (int)key.size(2), key.stride(0) * elt, value.stride(0) * elt, dtype,
+                                       cache_dtype, reinterpret_cast<cudaStream_t>(stream)));
+    return;
+  }
   TORCH_CHECK(row_bytes % 16 == 0, "num_kv_heads * head_dim * element size must be a multiple of 16 bytes");
   check(laneserve_store_kv(k_cache.data_ptr(), v_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
                            slot_mapping.data_ptr<int64_t>(), (int)key.size(0), key.stride(0) * elt,
@@ -125,8 +153,9 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 
 TORCH_LIBRARY(laneserve, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int max_context_len, int stream) -> Tensor",
-        &paged_attention);  // decode attention over the paged KV cache
+        "float scale, int max_context_len, Tensor? k_scale, Tensor? v_scale, int stream) -> Tensor",
+        &paged_attention);  // decode attention over the paged KV cache (k_scale, v_scale: an 8-bit one's)
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "int stream) -> ()", &store_kv);  // new K/V into the cache at slot_mapping (-1 skips)
+        "Tensor(c!)? k_scale, Tensor(d!)? v_scale, int stream) -> ()",
+        &store_kv);  // new K/V into the cache at slot_mapping (-1 skips); an 8-bit cache quantized
 }

@@ -2,7 +2,9 @@
 // binding.cpp checks arguments and calls the launchers at the bottom (declared in paged_attention.h).
 //
 // Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous. A sequence's
-// token t lives in physical block block_tables[seq][t / block_size] at offset t % block_size.
+// token t lives in physical block block_tables[seq][t / block_size] at offset t % block_size. The cache holds
+// either the query's dtype or one-byte codes (fp8 e4m3, fp8 e5m2, int8) with one float32 scale per token and
+// KV head beside it ([num_blocks, block_size, num_kv_heads]): value = float(code) * scale.
 //
 // Thread mapping of the attention kernel (one thread block of 4 warps per (kv-head group, sequence,
 // split)):
@@ -15,12 +17,14 @@
 //               whatever batch it runs in. gridDim.z = p.num_splits is the largest n of the call
 //               (from the longest context, known on the host); blocks with z >= n return at once. A
 //               sequence with n == 1 writes its output directly, reduce_kernel merges the others' splits.
-//   Inside a block, each token row of one KV head (head_dim * sizeof(T) bytes) is read by LPT
-//   lanes, 16 bytes each (VEC elements); a warp thus covers TPW = 32 / LPT tokens per step
-//   (bf16/fp16: 2 tokens at head_dim 128, 4 at 64; fp32: 1 and 2), and the 4 warps interleave over
-//   the split's tokens. Every such group of LPT lanes keeps its own online-softmax state
-//   (running max m, sum l, unnormalised output acc, all fp32) for each of its heads; the
-//   NPART = 4 * TPW states are merged through shared memory at the end.
+//   Inside a block, each token row of one KV head (head_dim cache elements C) is read by LPT lanes,
+//   16 bytes each (VEC = 16 / sizeof(C) elements, with the same VEC dims of the query); a warp thus
+//   covers TPW = 32 / LPT tokens per step (bf16/fp16: 2 tokens at head_dim 128, 4 at 64; fp32: 1
+//   and 2; 8-bit codes: 4 and 8, 16 codes a lane, dequantized with their row's scale in registers
+//   right after the load), and the 4 warps interleave over the split's tokens. Every such group of
+//   LPT lanes keeps its own online-softmax state (running max m, sum l, unnormalised output acc,
+//   all fp32) for each of its heads; the NPART = 4 * TPW states are merged through shared memory at
+//   the end.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -59,8 +63,50 @@ __device__ __forceinline__ int lane_splits(const PagedAttentionParams& p, int ct
   return splits_for(ctx, min(MAX_SPLITS, p.num_splits));
 }
 
-// 16 bytes of T -> floats, by bit operations (no pointer punning, which strict aliasing forbids).
-template <typename T> __device__ __forceinline__ void unpack(const uint4& u, float* f);
+// The 8-bit cache elements (a byte each: the host's cache_dtype 1, 2, 3) and their largest code: a stored row's
+// largest |value| becomes QMAX, and its scale amax / QMAX.
+struct fp8_e4m3 { uint8_t bits; static constexpr float QMAX = 448.f; };
+struct fp8_e5m2 { uint8_t bits; static constexpr float QMAX = 57344.f; };
+struct int8_code { uint8_t bits; static constexpr float QMAX = 127.f; };
+
+// Code -> float, exactly. fp8: the code's exponent and mantissa bits moved into float32's read as its value times
+// 2^(bias - 127); subnormal codes become float32 subnormals (so no flush-to-zero: no --use_fast_math).
+__device__ __forceinline__ float decode(fp8_e4m3, unsigned c) {  // bias 7, 3 mantissa bits, no inf, 0x7f NaN
+  const float f = __uint_as_float((c & 0x80u) << 24 | (c & 0x7fu) << 20) * 0x1p120f;
+  return (c & 0x7fu) == 0x7fu ? NAN : f;
+}
+__device__ __forceinline__ float decode(fp8_e5m2, unsigned c) {  // bias 15, 2 mantissa bits, top exponent inf/NaN
+  const float f = __uint_as_float((c & 0x80u) << 24 | (c & 0x7fu) << 21) * 0x1p112f;
+  return (c & 0x7cu) != 0x7cu ? f : (c & 3u) ? NAN : (c & 0x80u) ? -INFINITY : INFINITY;
+}
+__device__ __forceinline__ float decode(int8_code, unsigned c) { return (float)(int8_t)c; }
+
+// Float -> fp8 code as torch's cast gives it (c10's conversion: round to nearest even, subnormals included, the
+// same overflow codes), in integer arithmetic and one exact rintf, so that no fused multiply-add can change it.
+template <int M, int BIAS, unsigned OVERFLOW, unsigned OVERFLOW_CODE>  // mantissa bits, exponent bias
+__device__ __forceinline__ uint8_t float_to_fp8(float y) {
+  const unsigned u = __float_as_uint(y), sign = u >> 24 & 0x80u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7fu;  // NaN
+  if (a >= OVERFLOW) return sign | OVERFLOW_CODE;
+  if (a < (128u - BIAS) << 23)  // below the smallest normal 2^(1 - BIAS): a count of steps of 2^(1 - BIAS - M)
+    return sign | (unsigned)rintf(__uint_as_float(a) * (float)(1 << (BIAS + M - 1)));
+  constexpr unsigned S = 23 - M;  // float32 mantissa bits dropped, the rest rebiased
+  return sign | (a - ((127u - BIAS) << 23) + (1u << (S - 1)) - 1 + (a >> S & 1)) >> S;
+}
+__device__ __forceinline__ uint8_t encode(fp8_e4m3, float y) { return float_to_fp8<3, 7, 0x43f00000u, 0x7fu>(y); }
+__device__ __forceinline__ uint8_t encode(fp8_e5m2, float y) { return float_to_fp8<2, 15, 0x47800000u, 0x7cu>(y); }
+__device__ __forceinline__ uint8_t encode(int8_code, float y) {
+  return (uint8_t)(int)fminf(fmaxf(rintf(y), -127.f), 127.f);  // rintf: half to even, as torch.round
+}
+
+// 16 bytes -> floats, by bit operations (no pointer punning, which strict aliasing forbids): 16 one-byte codes
+// (values before their scale), and below 4, 8, 8 elements of float, __half, __nv_bfloat16.
+template <typename C> __device__ __forceinline__ void unpack(const uint4& u, float* f) {
+  static_assert(sizeof(C) == 1, "an 8-bit cache element");
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};  // four codes per word, the first in the low bits
+#pragma unroll
+  for (int i = 0; i < 16; ++i) f[i] = decode(C{}, w[i / 4] >> 8 * (i % 4) & 0xffu);
+}
 template <> __device__ __forceinline__ void unpack<float>(const uint4& u, float* f) {
   f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
 }
@@ -81,13 +127,23 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// max that keeps a NaN, as torch's amax does (fmaxf drops it).
+__device__ __forceinline__ float nan_max(float a, float b) { return a > b || a != a ? a : b; }
+
 // Weight exp2(m - M) of a partial state with max m in a merge whose max is M; an empty state
 // (m = -inf) weighs 0, also when every state is empty (M = -inf, where exp2 would give NaN).
 __device__ __forceinline__ float merge_weight(float m, float M) { return m == -INFINITY ? 0.f : exp2f(m - M); }
 
-template <typename T, int HEAD_DIM, int GMAX>
+// T: the query's and output's element; C: the cache's (T, or an 8-bit code with its scales).
+template <typename T, typename C, int HEAD_DIM, int GMAX>
 __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAttentionParams p) {
-  constexpr int VEC = 16 / sizeof(T);     // elements per 16-byte load
+  constexpr bool CODES = sizeof(C) == 1;  // an 8-bit cache
+  constexpr int VEC = 16 / sizeof(C);     // cache elements per 16-byte load: a lane's dims
+  constexpr int QVEC = 16 / sizeof(T);    // query elements per 16-byte load
   constexpr int LPT = HEAD_DIM / VEC;     // lanes per token row
   constexpr int TPW = 32 / LPT;           // tokens per warp per step
   constexpr int STEP = NUM_WARPS * TPW;   // tokens per block per step
@@ -125,8 +181,8 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
     for (int j = 0; j < VEC; ++j) q[g][j] = acc[g][j] = 0.f;
     if (g < nh) {
       const T* q_row = static_cast<const T*>(p.query) + seq * p.q_stride_seq + (head0 + g) * p.q_stride_head;
-      const uint4 u = *reinterpret_cast<const uint4*>(q_row + d0);
-      unpack<T>(u, q[g]);
+#pragma unroll
+      for (int j = 0; j < VEC; j += QVEC) unpack<T>(*reinterpret_cast<const uint4*>(q_row + d0 + j), q[g] + j);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) q[g][j] *= p.scale * LOG2E;
     }
@@ -134,22 +190,28 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
 
   const int* table = p.block_tables + (int64_t)seq * p.max_blocks;
   const int64_t token_stride = (int64_t)p.num_kv_heads * HEAD_DIM;  // elements from one slot to the next
-  const T* k_base = static_cast<const T*>(p.k_cache) + kv_head * HEAD_DIM + d0;
-  const T* v_base = static_cast<const T*>(p.v_cache) + kv_head * HEAD_DIM + d0;
+  const C* k_base = static_cast<const C*>(p.k_cache) + kv_head * HEAD_DIM + d0;
+  const C* v_base = static_cast<const C*>(p.v_cache) + kv_head * HEAD_DIM + d0;
   const int block_shift = __ffs(p.block_size) - 1, offset_mask = p.block_size - 1;
 
   // t0 is warp-uniform, so every lane reaches the shuffles; lanes past `end` just don't update.
   for (int t0 = start + warp * TPW; t0 < end; t0 += STEP * UNROLL) {
     uint4 kr[UNROLL], vr[UNROLL];
+    float ks[UNROLL], vs[UNROLL];  // the rows' scales (an 8-bit cache)
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int t = t0 + u * STEP + sub;
       kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+      ks[u] = vs[u] = 0.f;
       if (t < end) {
         const int64_t block = table[t >> block_shift];  // widened before any multiply
-        const int64_t off = ((block << block_shift) + (t & offset_mask)) * token_stride;
-        kr[u] = *reinterpret_cast<const uint4*>(k_base + off);
-        vr[u] = *reinterpret_cast<const uint4*>(v_base + off);
+        const int64_t slot = (block << block_shift) + (t & offset_mask);
+        kr[u] = *reinterpret_cast<const uint4*>(k_base + slot * token_stride);
+        vr[u] = *reinterpret_cast<const uint4*>(v_base + slot * token_stride);
+        if (CODES) {  // the rows' scales, loaded beside them
+          ks[u] = p.k_scale[slot * p.num_kv_heads + kv_head];
+          vs[u] = p.v_scale[slot * p.num_kv_heads + kv_head];
+        }
       }
     }
     // Scores of the UNROLL tokens for every head, summed over the token's LPT lanes.
@@ -157,8 +219,12 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float k[VEC];
-      unpack<T>(kr[u], k);
-      unpack<T>(vr[u], v[u]);
+      unpack<C>(kr[u], k);
+      unpack<C>(vr[u], v[u]);
+      if (CODES) {  // dequantize: code * its row's scale
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) k[j] *= ks[u], v[u][j] *= vs[u];
+      }
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         s[u][g] = 0.f;
@@ -248,6 +314,33 @@ __global__ void reduce_kernel(const PagedAttentionParams p) {
   static_cast<T*>(p.out)[((int64_t)seq * p.num_heads + head) * head_dim + d] = from_float<T>(o / L);
 }
 
+// One block per new token, a warp per row of one KV head (its K rows, then its V rows): quantize the row's head_dim
+// values to codes of C and one scale, as attention_cuda.quantize_kv does, in float32 and bit for bit.
+template <typename T, typename C>
+__global__ void store_kv_quantized_kernel(uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
+                                          float* __restrict__ k_scale, float* __restrict__ v_scale,
+                                          const char* __restrict__ key, const char* __restrict__ value,
+                                          const int64_t* __restrict__ slot_mapping, int64_t key_stride,
+                                          int64_t value_stride, int num_kv_heads, int head_dim) {
+  const int64_t token = blockIdx.x, slot = slot_mapping[token];
+  if (slot < 0) return;  // padding
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < 2 * num_kv_heads; r += blockDim.x / 32) {  // warp-uniform: the shuffles converge
+    const bool is_v = r >= num_kv_heads;
+    const int64_t h = r % num_kv_heads, row = slot * num_kv_heads + h;
+    const char* row_start = is_v ? value + token * value_stride : key + token * key_stride;
+    const T* x = reinterpret_cast<const T*>(row_start) + h * head_dim;
+    float amax = 0.f;
+    for (int d = lane; d < head_dim; d += 32) amax = nan_max(amax, fabsf(to_float(x[d])));
+    for (int o = 16; o > 0; o /= 2) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    // IEEE divisions, as torch's; q is inf or NaN when amax is 0, NaN or below ~1e-36: codes 0 then
+    const float q = C::QMAX / amax, inv = q <= 3.4028235e38f ? q : 0.f;
+    uint8_t* codes = (is_v ? v_cache : k_cache) + row * head_dim;
+    for (int d = lane; d < head_dim; d += 32) codes[d] = encode(C{}, to_float(x[d]) * inv);  // |x * inv| <~ QMAX
+    if (lane == 0) (is_v ? v_scale : k_scale)[row] = amax / C::QMAX;
+  }
+}
+
 // One block per new token: copy its K and V rows (num_kv_heads * head_dim elements) into its slot.
 __global__ void store_kv_kernel(char* __restrict__ k_cache, char* __restrict__ v_cache,
                                 const char* __restrict__ key, const char* __restrict__ value,
@@ -262,22 +355,29 @@ __global__ void store_kv_kernel(char* __restrict__ k_cache, char* __restrict__ v
   for (int i = threadIdx.x; i < row_bytes / 16; i += blockDim.x) { kc[i] = k[i]; vc[i] = v[i]; }
 }
 
-template <typename T, int HEAD_DIM>
+template <typename T, typename C, int HEAD_DIM>
 void launch_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   // Register arrays are sized by GMAX: 1 for plain multi-head, 2, else 4 (larger groups take
   // several blocks per KV head, whose repeated K/V reads mostly hit L2).
   const int group = p.num_heads / p.num_kv_heads, gmax = group == 1 ? 1 : group == 2 ? 2 : 4;
   const dim3 grid(p.num_kv_heads * ((group + gmax - 1) / gmax), p.num_seqs, p.num_splits);
-  auto kernel = gmax == 1 ? attention_kernel<T, HEAD_DIM, 1>
-              : gmax == 2 ? attention_kernel<T, HEAD_DIM, 2> : attention_kernel<T, HEAD_DIM, 4>;
+  auto kernel = gmax == 1 ? attention_kernel<T, C, HEAD_DIM, 1>
+              : gmax == 2 ? attention_kernel<T, C, HEAD_DIM, 2> : attention_kernel<T, C, HEAD_DIM, 4>;
   kernel<<<grid, NUM_THREADS, 0, stream>>>(p);
   if (p.num_splits > 1) reduce_kernel<T><<<dim3(p.num_heads, p.num_seqs), HEAD_DIM, 0, stream>>>(p);
 }
 
-template <typename T>
-void launch_attention(const PagedAttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim == 64) launch_attention<T, 64>(p, stream);
-  else launch_attention<T, 128>(p, stream);
+// Calls f(T{}, C{}) with the elements of dtype (0 float32, 1 float16, 2 bfloat16) and cache_dtype (0 T itself,
+// 1 fp8 e4m3, 2 fp8 e5m2, 3 int8); false for codes outside those.
+template <typename F> bool with_types(int dtype, int cache_dtype, F f) {
+  auto with_cache = [&](auto t) {
+    if (cache_dtype == 0) f(t, t);
+    else if (cache_dtype == 1) f(t, fp8_e4m3{});
+    else if (cache_dtype == 2) f(t, fp8_e5m2{});
+    else if (cache_dtype == 3) f(t, int8_code{});
+    return cache_dtype >= 0 && cache_dtype <= 3;
+  };
+  return dtype == 0 ? with_cache(0.f) : dtype == 1 ? with_cache(__half()) : dtype == 2 && with_cache(__nv_bfloat16());
 }
 
 const char* last_error() {
@@ -294,12 +394,13 @@ int laneserve_attention_splits(int64_t max_context) { return splits_for(max_cont
 const char* laneserve_paged_attention(const PagedAttentionParams* p, cudaStream_t stream) {
   if (p->head_dim != 64 && p->head_dim != 128) return "head_dim must be 64 or 128";
   if (p->block_size <= 0 || (p->block_size & (p->block_size - 1))) return "block_size must be a power of two";
+  if (p->cache_dtype != 0 && (!p->k_scale || !p->v_scale)) return "an 8-bit cache needs k_scale and v_scale";
   if (p->num_seqs == 0) return nullptr;
-  if (p->dtype == 0) launch_attention<float>(*p, stream);
-  else if (p->dtype == 1) launch_attention<__half>(*p, stream);
-  else if (p->dtype == 2) launch_attention<__nv_bfloat16>(*p, stream);
-  else return "dtype must be float32, float16 or bfloat16";
-  return last_error();
+  const bool known = with_types(p->dtype, p->cache_dtype, [&](auto t, auto c) {
+    if (p->head_dim == 64) launch_attention<decltype(t), decltype(c), 64>(*p, stream);
+    else launch_attention<decltype(t), decltype(c), 128>(*p, stream);
+  });
+  return known ? last_error() : "dtype must be float32, float16 or bfloat16, cache_dtype 0 to 3";
 }
 
 const char* laneserve_store_kv(void* k_cache, void* v_cache, const void* key, const void* value,
@@ -311,6 +412,23 @@ const char* laneserve_store_kv(void* k_cache, void* v_cache, const void* key, co
                                                       static_cast<const char*>(key), static_cast<const char*>(value),
                                                       slot_mapping, key_stride, value_stride, row_bytes);
   return last_error();
+}
+
+const char* laneserve_store_kv_quantized(void* k_cache, void* v_cache, float* k_scale, float* v_scale,
+                                         const void* key, const void* value, const int64_t* slot_mapping,
+                                         int num_tokens, int num_kv_heads, int head_dim, int64_t key_stride,
+                                         int64_t value_stride, int dtype, int cache_dtype, cudaStream_t stream) {
+  if (cache_dtype == 0) return "cache_dtype must be 1 to 3 (an 8-bit cache): laneserve_store_kv copies";
+  if (num_tokens == 0) return nullptr;
+  const int threads = 32 * (2 * num_kv_heads < 8 ? 2 * num_kv_heads : 8);  // a warp per row, up to 8 rows at once
+  const bool known = with_types(dtype, cache_dtype, [&](auto t, auto c) {
+    if constexpr (sizeof(c) == 1)
+      store_kv_quantized_kernel<decltype(t), decltype(c)><<<num_tokens, threads, 0, stream>>>(
+          static_cast<uint8_t*>(k_cache), static_cast<uint8_t*>(v_cache), k_scale, v_scale,
+          static_cast<const char*>(key), static_cast<const char*>(value), slot_mapping, key_stride, value_stride,
+          num_kv_heads, head_dim);
+  });
+  return known ? last_error() : "dtype must be float32, float16 or bfloat16, cache_dtype 1 to 3";
 }
 
 }  // extern "C"
