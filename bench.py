@@ -228,12 +228,12 @@ class Client:
         self.base = urllib.parse.urlsplit(url if url.endswith("/v1") else url + "/v1")
         self.url, self.api_key = self.base.geturl(), api_key
 
-    async def _open(self, method: str, path: str, body: dict | None = None):
+    async def _open(self, method: str, path: str, body: dict | None = None, root: bool = False):
         b = self.base
         reader, writer = await asyncio.open_connection(b.hostname, b.port or (443 if b.scheme == "https" else 80),
                                                        ssl=True if b.scheme == "https" else None, limit=2**22)
         data = json.dumps(body).encode() if body is not None else b""
-        writer.write(f"{method} {b.path}{path} HTTP/1.1\r\nHost: {b.netloc}\r\nConnection: close\r\n"
+        writer.write(f"{method} {'' if root else b.path}{path} HTTP/1.1\r\nHost: {b.netloc}\r\nConnection: close\r\n"
                      f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         status_line = (await reader.readline()).split()
@@ -272,6 +272,21 @@ class Client:
             return json.loads(b"".join([c async for c in self._body(reader, headers)]))
         finally:
             writer.close()
+
+    async def server_metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus samples at /metrics (beside /v1), each name's values summed over its labels; {} where
+        the server has none."""
+        reader, writer, status, headers = await self._open("GET", "/metrics", root=True)
+        try:
+            text = b"".join([c async for c in self._body(reader, headers)]).decode() if status == 200 else ""
+        finally:
+            writer.close()
+        got: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and (parts := line.rsplit(" ", 1))[1:]:
+                name = parts[0].split("{")[0]
+                got[name] = got.get(name, 0.0) + float(parts[1])
+        return got
 
     async def events(self, path: str, body: dict):
         """POST, then yield each server-sent event's data as parsed JSON (up to [DONE])."""
@@ -395,11 +410,31 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
             await stream_one(client, model, r, PROMPT.format(i=c * args.requests_per_client + k), args, t0)
             bar.update()
 
+    async def watch_server() -> None:  # what the server says it runs: its batch size and preemptions
+        while True:
+            samples.append(await client.server_metrics())
+            await asyncio.sleep(0.25)
+
+    samples: list[dict[str, float]] = []
+    watcher = asyncio.ensure_future(watch_server())
     complete = await run_until([client_loop(c) for c in range(concurrency)], until)
     duration = time.perf_counter() - t0
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    try:  # the level's last word (a server without /metrics answers {}, one gone raises)
+        async with asyncio.timeout(2):
+            samples.append(await client.server_metrics())
+    except (OSError, TimeoutError, ValueError):
+        pass
     bar.close("" if complete else "(time limit: partial)")
     complete = complete and len(reqs) == concurrency * args.requests_per_client  # a client stopped by the limit
-    return {"concurrency": concurrency, "partial": not complete, "metrics": summarize(reqs, duration, args),
+    metrics = summarize(reqs, duration, args)
+    running = [m["vllm:num_requests_running"] for m in samples if "vllm:num_requests_running" in m]
+    preempted = [m["vllm:num_preemptions_total"] for m in samples if "vllm:num_preemptions_total" in m]
+    metrics |= {"server_running_mean": float(np.mean(running)) if running else None,
+                "server_running_max": int(max(running)) if running else None,
+                "server_preemptions": int(preempted[-1] - preempted[0]) if preempted else None}
+    return {"concurrency": concurrency, "partial": not complete, "metrics": metrics,
             "requests": [asdict(r) for r in reqs]}
 
 
@@ -604,7 +639,9 @@ def print_report(report: dict, args) -> None:
                 ("Total generated tokens", "total_output_tokens"), ("Request throughput (req/s)", "request_throughput"),
                 ("Output token throughput (tok/s)", "output_throughput"),
                 ("Total Token throughput (tok/s)", "total_token_throughput"),  # vLLM's capital T
-                ("Per-request output throughput (tok/s)", "per_request_output_throughput")]
+                ("Per-request output throughput (tok/s)", "per_request_output_throughput"),
+                ("Running requests, server (mean)", "server_running_mean"),  # sampled at /metrics
+                ("Running requests, server (max)", "server_running_max"), ("Preemptions, server", "server_preemptions")]
         rows += [("Request goodput (req/s)", "goodput")] if args.slo_ttft or args.slo_tpot else []
         for name, label, section in METRICS:
             rows += [(section, None)] + [(f"{s} {label} (ms)", f"{k}_{name}_ms") for k, s in STATS]

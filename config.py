@@ -28,8 +28,8 @@ class EngineConfig:
     kv_cache_dtype: str = knob("auto", "KV cache in 8 bits, a float32 scale per token and KV head (about twice "
                                        "bfloat16's tokens in the same memory); auto: --dtype",
                                choices=["auto", "fp8_e4m3", "fp8_e5m2", "int8"])
-    quantization: str | None = knob(None, "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): faster for a few "
-                                          "streams, slower for many", type=str, choices=["int4"])
+    quantization: str | None = knob(None, "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): a quarter of "
+                                          "bfloat16's weight bytes; its speed is in BENCHMARKS.md", type=str, choices=["int4"])
     seed: int = knob(0, "seeds the requests that bring none")
     max_model_len: int | None = knob(None, "context length, prompt plus output (default: the model's)", type=int)
     max_num_seqs: int = knob(64, "most sequences in one batch")

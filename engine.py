@@ -64,9 +64,11 @@ class Engine:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         weights.read_gguf.cache_clear()  # the parsed header, vocabulary included, was the tokenizer's
         # The checkpoint's generation_config.json, else the model card's for a preset found by its name.
-        card = {} if c.model_path or c.dummy_weights else weights.CARD_SAMPLING.get(c.model, {})
-        self.sampling_defaults = ((weights.sampling_defaults(r.checkpoint_path) or dict(card))
-                                  if c.generation_config == "auto" else {})
+        auto = c.generation_config == "auto"
+        card = weights.CARD_SAMPLING.get(c.model, {}) if auto and not (c.model_path or c.dummy_weights) else {}
+        found = weights.sampling_defaults(r.checkpoint_path) if auto else {}
+        self.sampling_defaults = found or dict(card)
+        self.sampling_source = "generation_config.json" if found else "model card" if self.sampling_defaults else None
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}

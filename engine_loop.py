@@ -45,7 +45,7 @@ class EngineLoop:
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.queue_time, self.e2e = Histogram(REQUEST_BUCKETS), Histogram(REQUEST_BUCKETS)
         self.steps = StepEvents()  # what /v1/engine/steps streams to the live page
-        self.dead: str | None = None  # why the engine thread died, once it has
+        self.dead: str | None = None  # why the engine thread ended (it died, or the server stops)
         self._inbox: queue.Queue[Submit | list[str] | None] = queue.Queue()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -150,8 +150,10 @@ class EngineLoop:
                     self.e2e.observe(now - stream.submitted)
                     del streams[out.request_id]
             self.stats = engine.stats()
+        self.dead = "the server is shutting down"  # from now on a request is refused at once, not left waiting
         for stream in streams.values():
-            stream.replies.put(ApiError(503, "the server is shutting down"))
+            stream.replies.put(ApiError(503, self.dead))
+        self._refuse_inbox([item for item in items if item is not None])  # those taken with stop()'s None
 
     def _add(self, job: Submit, streams: dict[str, Stream]) -> ApiError | None:
         """Adds all of job's sequences and returns None, or adds none and returns why."""

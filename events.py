@@ -1,12 +1,16 @@
 """The engine's steps as events, for watchers such as the live page at /: per step, each scheduled
 sequence with what it did (a prefill piece, a decode, a prefix-cache hit, back from swap, finished),
 the sequences preempted, the KV pool and the queues. No prompt or output text: a watcher sees shapes,
-not content. Events go to a ring of the last `capacity`; each watcher reads at its own pace and is told
-how many it missed. The engine thread only appends and notifies, so no watcher can slow a step."""
+not content. Events go to a ring of the last `capacity`; each watcher reads from the step it connected at
+(start), at its own pace, and is told how many of its steps fell out of the ring unread; steps that ran
+while nobody watched are no watcher's. The engine thread only appends and notifies, so no watcher can slow
+a step. Each event carries `t`, the server's monotonic clock when the step ended, so that a watcher that
+reads a backlog at once still times the steps as they ran."""
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import deque
 
 from scheduler import SchedulerOutput
@@ -32,15 +36,27 @@ class StepEvents:
             self.ring.append((self.step, text))
             self.cond.notify_all()
 
+    def start(self) -> int:
+        """A new watcher, counted until stop(): the step to read after. Every later step is built into an event."""
+        with self.cond:
+            self.watchers += 1
+            return self.step
+
+    def stop(self) -> None:
+        with self.cond:
+            self.watchers -= 1
+            if not self.watchers:  # the next watcher starts after them anyway
+                self.ring.clear()
+
     def read(self, after: int, timeout: float) -> tuple[list[str], int, int]:
-        """The events after step `after` still in the ring, waiting up to timeout for one: (events, the
-        last step number read, how many after `after` fell out of the ring unread)."""
+        """The events after step `after` (start()'s, then the last read) still in the ring, waiting up to timeout
+        for one: (events, the last step number read, how many after `after` fell out of the ring unread)."""
         with self.cond:
             self.cond.wait_for(lambda: self.ring and self.ring[-1][0] > after, timeout)
             new = [(n, text) for n, text in self.ring if n > after]
         if not new:
             return [], after, 0
-        return [text for _, text in new], new[-1][0], max(0, new[0][0] - after - 1) if after else 0
+        return [text for _, text in new], new[-1][0], new[0][0] - after - 1
 
 
 def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds: float) -> dict:
@@ -63,8 +79,8 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
         return d
     lanes = [lane(seq, n) for seq, n in out.scheduled] + [lane(seq, 0) for seq in s.running if id(seq) not in scheduled]
     cached = [b for b in bm.free_blocks if bm.block_hash[b] is not None]
-    return {"step": number, "ms": round(seconds * 1000, 2), "budget": engine.config.max_num_batched_tokens,
-            "batch_tokens": sum(scheduled.values()), "lanes": lanes,
+    return {"step": number, "t": round(time.monotonic(), 3), "ms": round(seconds * 1000, 2),
+            "budget": engine.config.max_num_batched_tokens, "batch_tokens": sum(scheduled.values()), "lanes": lanes,
             "preempted": [{"id": seq.request_id, "mode": "swap" if seq.status is Status.SWAPPED else "recompute"}
                           for seq in out.preempted],
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),

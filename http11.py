@@ -114,7 +114,8 @@ class RequestHandler(BaseHTTPRequestHandler):
             self.log_info["client"] = "gone"
         if self.app.log:
             info = "".join(f" {k}={v:.3f}s" if isinstance(v, float) else f" {k}={v}" for k, v in self.log_info.items())
-            print(f'{self.client_address[0]} "{self.command} {self.path[:200]}" {self.status}{info} '
+            # No status sent: the client left before its answer began, logged as nginx's 499 "client closed request".
+            print(f'{self.client_address[0]} "{self.command} {self.path[:200]}" {self.status or 499}{info} '
                   f'duration={time.monotonic() - began:.3f}s', file=self.app.log, flush=True)
 
     def _read_body(self) -> bytes:

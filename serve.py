@@ -64,11 +64,24 @@ class Server(EngineLoop):
         if self._httpd is None:
             return
         self._httpd.shutdown()
+        self._accept_backlog()
         self._httpd.server_close()
         super().stop()
         # The request threads die with the process: let them write the answers they hold (the 503s too).
         with self._httpd.handling_changed:
             self._httpd.handling_changed.wait_for(lambda: not self._httpd.handling, timeout=5)
+
+
+    def _accept_backlog(self) -> None:
+        """Connections the kernel took before the listener closes each get a thread, so an answer (a 503 once the
+        engine has stopped) rather than a reset."""
+        self._httpd.socket.setblocking(False)
+        while True:
+            try:
+                request, address = self._httpd.socket.accept()
+            except OSError:
+                return
+            self._httpd.process_request(request, address)
 
 
 def _version() -> str:
@@ -118,17 +131,15 @@ class Handler(RequestHandler):
             self._send(200, f.read(), "text/html; charset=utf-8")
 
     def _steps(self) -> None:
-        """The step events (events.py) as server-sent events from the oldest kept; a watcher that falls behind gets
+        """The step events (events.py) as server-sent events from the next step on; a watcher that falls behind gets
         {"missed": n} and goes on from the oldest kept. While idle, a comment every second finds a watcher that left."""
         self._engine()
         if self.command == "HEAD":
             return self._open_stream()
         events = self.app.steps
-        with events.cond:
-            events.watchers += 1
+        last = events.start()
         try:
             self._open_stream()
-            last = 0
             while not (self.app.dead or self.app.stopped):
                 texts, last, missed = events.read(last, 1.0)
                 if missed:
@@ -139,8 +150,7 @@ class Handler(RequestHandler):
                     self._chunk(b": idle\n\n")
             self._chunk(b"")  # the server is stopping
         finally:
-            with events.cond:
-                events.watchers -= 1
+            events.stop()
 
     def _health(self) -> None:
         self._engine()
@@ -289,6 +299,20 @@ def _parser() -> ArgumentParser:
     return p
 
 
+def sampling_note(engine: Engine, config: EngineConfig) -> str:
+    """What requests that leave the sampling fields out get, and where it comes from (Engine.sampling_source)."""
+    head = "requests that leave sampling fields out get"
+    if engine.sampling_source:
+        given = ", ".join(f"{k} {v}" for k, v in engine.sampling_defaults.items())
+        source = ("the checkpoint's generation_config.json" if engine.sampling_source == "generation_config.json"
+                  else f"the model card's advice for {config.model} (weights.CARD_SAMPLING), as the checkpoint has "
+                       "no generation_config.json")
+        return f"{head} {given}: {source}; --generation-config vllm for OpenAI's defaults instead"
+    why = ("--generation-config vllm" if config.generation_config == "vllm" else "the checkpoint has no "
+           "generation_config.json, and a model card's advice applies only to a preset's real weights named by --model")
+    return f"{head} OpenAI's defaults (temperature 1, top_p 1): {why}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -334,14 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         e, bm = server.engine, server.engine.block_manager
         kv_tokens, dtype = bm.num_blocks * bm.block_size, str(e.dtype).removeprefix('torch.')
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        whole = bm.num_blocks // -(-e.max_model_len // bm.block_size)  # requests of max_model_len tokens it holds
         print(f"laneserve: {server.model_names[0]} on {e.device} {dtype}, KV {bm.num_blocks} blocks = {kv_tokens} "
-              f"tokens ({kv_dtype}), max concurrency {config.max_num_seqs} requests "
-              f"({kv_tokens / e.max_model_len:.2f}x at the full {e.max_model_len}-token context), "
+              f"tokens ({kv_dtype}): room for {whole} requests of the full {e.max_model_len}-token context, more "
+              f"of shorter ones (at most {config.max_num_seqs} run at once); "
               f"ready in {time.monotonic() - began:.1f}s, serving {server.url}", file=sys.stderr)
-        if e.sampling_defaults:
-            given = ", ".join(f"{k} {v}" for k, v in e.sampling_defaults.items())
-            print(f"laneserve: requests that leave them out get {given} (the checkpoint's generation_config.json, "
-                  f"else the model card's); --generation-config vllm for OpenAI's defaults", file=sys.stderr)
+        print(f"laneserve: {sampling_note(e, config)}", file=sys.stderr)
         stop.wait()
     print("laneserve: stopping", file=sys.stderr)
     if server.engine is None:

@@ -3,6 +3,7 @@ bench_kernel.py on CPU, bench_ab.py, --base-url against a stub OpenAI server (us
 and bad arguments."""
 import itertools
 import json
+import math
 import os
 import socket
 import subprocess
@@ -47,6 +48,7 @@ def test_sweep_and_mixed_probe(tmp_path, capsys):
         assert 0 < m["p50_ttft_ms"] <= m["p99_ttft_ms"] <= m["p99_e2el_ms"]
         assert m["mean_itl_ms"] > 0 and m["mean_tpot_ms"] > 0 and m["goodput"] == m["request_throughput"]
         assert [r["output_tokens"] for r in lv["requests"]] == [4] * c
+        assert 0 <= m["server_running_max"] <= c and m["server_preemptions"] == 0  # as /metrics said
     best = max(run_["sweep"], key=lambda lv: lv["metrics"]["goodput"])  # every request meets a loose SLO
     assert (run_["goodput"]["concurrency"], run_["goodput"]["goodput"]) == (best["concurrency"],
                                                                              best["metrics"]["goodput"])
@@ -56,7 +58,8 @@ def test_sweep_and_mixed_probe(tmp_path, capsys):
     cfg = report["config"]
     assert cfg["engine"]["continuous"]["device"] == "cpu" and cfg["versions"]["torch"]
     for label in ("Output token throughput (tok/s)", "P95 TTFT (ms)", "Mean ITL (ms)", "P99 TPOT (ms)",
-                  "Median E2EL (ms)", "Short finished before first long (%)", "Best goodput [continuous]"):
+                  "Median E2EL (ms)", "Short finished before first long (%)", "Best goodput [continuous]",
+                  "Running requests, server (mean)", "Preemptions, server"):
         assert label in out
 
 
@@ -217,11 +220,20 @@ class Stub(BaseHTTPRequestHandler):
     chunks, "nodelta" sends a choice without a delta."""
     short, delay, refuse, odd = 0, 0.0, 0, None
     counter = itertools.count(1)  # numbers the streams served
+    scrapes = itertools.count()
 
     def log_message(self, *args):
         pass
 
     def do_GET(self):
+        if self.path == "/metrics":  # vLLM's names; a preemption counted per scrape, two label sets summed
+            n = next(self.scrapes)
+            text = (f'vllm:num_requests_running{{model_name="stub"}} 1\nvllm:num_requests_running{{x="y"}} 2\n'
+                    f'# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total {n}\n').encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            return self.wfile.write(text)
         self._json({"object": "list", "data": [{"id": "stub", "object": "model", "created": 0, "owned_by": "x"}]})
 
     def do_POST(self):
@@ -269,7 +281,7 @@ def stub():
 
     def start(short: int = 0, delay: float = 0.0, refuse: int = 0, odd: str | None = None) -> str:
         handler = type("Handler", (Stub,), {"short": short, "delay": delay, "refuse": refuse, "odd": odd,
-                                            "counter": itertools.count(1)})
+                                            "counter": itertools.count(1), "scrapes": itertools.count()})
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -288,6 +300,9 @@ def test_base_url_gives_the_same_table(stub, tmp_path, capsys):
     sweep = report["runs"]["remote"]["sweep"]
     assert [lv["metrics"]["total_output_tokens"] for lv in sweep] == [10, 40]
     assert report["config"]["served_model"] == "stub" and "Output token throughput (tok/s)" in out
+    for lv in sweep:  # /metrics scraped at the start and end of each level, at least
+        m = lv["metrics"]
+        assert (m["server_running_mean"], m["server_running_max"]) == (3.0, 3) and m["server_preemptions"] >= 1
 
 
 def test_token_count_disagreeing_with_the_request_fails_loudly(stub, tmp_path, capsys):
@@ -441,3 +456,16 @@ def test_gpu_script_rehearsal_on_cpu(tmp_path):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     assert [(s["step"], s["rc"]) for s in steps] == [("env", 0), ("imports", 0), ("cpu-smoke", 0)]
     assert json.loads((out / "cpu_smoke.json").read_text())["offline"]["finished"] == 4
+
+
+def test_kv_accuracy_bench_compares_each_8_bit_cache_with_auto(tmp_path, capsys):
+    import bench_kv
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    assert bench_kv.main([*SMALL, "--types", "auto", "int8", "--tokens", "4", "--chunk", "100",
+                          "--text", str(text)]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][2:]
+    assert [r[0].strip() for r in rows] == ["auto", "int8"]
+    assert rows[0][1:4] == [" 4.0 of 4 ", " 32/32 ", " 0.0000 "]  # auto against itself
+    ppl = [float(r[4]) for r in rows]
+    assert all(1 < p < math.inf for p in ppl) and ppl[0] != ppl[1], ppl  # int8 moves it, a little

@@ -1,10 +1,11 @@
 """The live page at / and the step events it draws from (/v1/engine/steps): the events' format, bounded
-memory under a watcher that never reads, auth; then the page itself in headless Chromium (Debian's
-chromium and chromium-driver, driven by selenium) against a real server: no console error, a chat that
-streams and stops, 8 concurrent requests filling the lanes panel and reusing a freed slot (the 3 the page
-holds back shown as queued in the browser), gauges that go idle, the KV panel all free afterwards, and a
-screenshot; a chat that leaves sampling to the server's defaults and marks a reply cut at max_tokens; the
-KV map readable from 100 to 100,000 blocks."""
+memory under a watcher that never reads, missed steps counted only for a watcher's own steps, auth; then
+the page itself in headless Chromium (Debian's chromium and chromium-driver, driven by selenium) against a
+real server: no console error, a chat that streams and stops, 8 concurrent requests of the max_tokens field
+filling the lanes panel and reusing a freed slot (the 3 the page holds back shown as queued in the browser),
+gauges that go idle, the KV panel all free afterwards, and a screenshot; a chat that leaves sampling to the
+server's defaults and marks a reply cut at max_tokens; the KV map readable from 100 to 100,000 blocks, its
+lane colours away from the legend's; throughput timed by the server's clock."""
 import collections
 import http.client
 import json
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+import events
 import weights
 from config import EngineConfig
 from conftest import TINY
@@ -55,7 +57,7 @@ def test_step_events_format(server):
         seen.append(e)
         if any(lane.get("finished") for lane in e["lanes"]):
             break
-    assert {"step", "ms", "budget", "batch_tokens", "lanes", "preempted", "running", "waiting",
+    assert {"step", "t", "ms", "budget", "batch_tokens", "lanes", "preempted", "running", "waiting",
             "swapped", "preemptions", "generated", "kv"} <= set(seen[0])
     lanes = [lane for e in seen for lane in e["lanes"]]
     assert [lane["kind"] for lane in lanes] == ["prefill", "decode", "decode"]
@@ -86,6 +88,65 @@ def test_a_watcher_that_never_reads_costs_bounded_memory_and_no_step(server):
     finally:
         sock.close()
         server.steps.ring = ring
+
+
+def test_missed_steps_are_only_a_watchers_own(monkeypatch):
+    """A watcher is told of the steps it connected for and could not read in time, and of nothing else: not the
+    steps that ran while nobody watched, nor those before it came (the events themselves stubbed: just steps)."""
+    monkeypatch.setattr(events, "step_event", lambda number, *_: {"step": number})
+    steps = events.StepEvents(capacity=4)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            steps.publish(None, None, [], 0.0)
+
+    def numbers(texts: list[str]) -> list[int]:
+        return [json.loads(t)["step"] for t in texts]
+    run(3)  # nobody watches
+    old = steps.start()
+    run(2)
+    assert numbers(steps.read(old, 0)[0]) == [4, 5]
+    steps.stop()
+    run(10)  # nobody watches again: the ring is not kept for the next watcher
+    after = steps.start()
+    assert after == 15 and steps.read(after, 0) == ([], 15, 0)
+    run(2)
+    texts, after, missed = steps.read(after, 0)
+    assert numbers(texts) == [16, 17] and after == 17 and missed == 0
+    run(7)  # more than the ring holds before this watcher reads again: 3 of them missed
+    texts, after, missed = steps.read(after, 0)
+    assert numbers(texts) == [21, 22, 23, 24] and missed == 3
+    late = steps.start()  # a second watcher, while the first is there: from the next step on, nothing missed
+    run(1)
+    assert steps.read(late, 0) == (['{"step":25}'], 25, 0)
+    assert numbers(steps.read(after, 0)[0]) == [25]
+
+
+def test_a_new_watcher_starts_at_the_next_step_with_nothing_missed(server):
+    """Steps that ran while nobody watched, or before this watcher came, are not its missed steps: a page opened
+    on a server that has worked a while says nothing of them, and gets no earlier watcher's events either."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True}
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("GET", "/v1/engine/steps")
+    r = conn.getresponse()
+    assert request(server, "POST", "/v1/completions", body)[0] == 200  # watched: its events fill the ring
+    assert any(b'"finished"' in line for line in r)
+    conn.close()
+    deadline = time.monotonic() + 10  # the server sees the watcher gone at its next write (a comment each second)
+    while server.steps.watchers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.steps.watchers == 0
+    assert request(server, "POST", "/v1/completions", body)[0] == 200  # 5 steps nobody watches
+    first = server.steps.step + 1
+    events = step_events(server)
+    assert request(server, "POST", "/v1/completions", body)[0] == 200
+    seen = []
+    for e in events:
+        seen.append(e)
+        if any(lane.get("finished") for lane in e.get("lanes", [])):
+            break
+    assert not any("missed" in e for e in seen), seen
+    assert [e["step"] for e in seen] == list(range(first, first + 5))
 
 
 def test_step_events_need_the_api_key(tiny):
@@ -152,6 +213,14 @@ def chat(driver, prompt: str, max_tokens: int):
     return driver.find_elements("css selector", ".msg.assistant")[-1]
 
 
+RECORD_BODIES = """window.sentBodies = [];
+const original = window.fetch;
+window.fetch = (url, options) => {
+  if (options && options.body) sentBodies.push(JSON.parse(options.body));
+  return original(url, options);
+};"""
+
+
 def test_page_in_a_real_browser(server, browser, tmp_path):
     d = browser
     open_page(d, server)
@@ -176,6 +245,9 @@ def test_page_in_a_real_browser(server, browser, tmp_path):
     # 8 concurrent chats on 4 slots: at least 8 lanes drawn, a freed slot taken by a new lane. The page sends
     # 5 at once (the step stream holds a sixth connection) and says the other 3 wait in the browser.
     before = attr(d, "lane-stats", "lanes")
+    d.find_element("id", "max-tokens").clear()
+    d.find_element("id", "max-tokens").send_keys("48")  # Fire's requests take the field's max_tokens
+    d.execute_script(RECORD_BODIES)
     d.find_element("id", "fire").click()
     assert text(d, "g-browser") == "3" and "3 queued in browser" in text(d, "load-status")
     seen = []  # (running, waiting) as the header shows them
@@ -185,6 +257,7 @@ def test_page_in_a_real_browser(server, browser, tmp_path):
     assert max(r + w for r, w in seen) <= 5
     d.save_screenshot(str(tmp_path / "page.png"))
     wait(d, lambda d: "8 of 8 done" in text(d, "load-status"))
+    assert [b["max_tokens"] for b in d.execute_script("return sentBodies")] == [48] * 8
     assert text(d, "g-browser") == "0"
     wait(d, lambda d: attr(d, "kv-stats", "used") == 0, timeout=10)
     # The load over, the gauges say so rather than keep the last step's numbers.
@@ -195,14 +268,6 @@ def test_page_in_a_real_browser(server, browser, tmp_path):
     assert 0 < attr(d, "lanes", "rows") <= 300
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
-
-
-RECORD_BODIES = """window.sentBodies = [];
-const original = window.fetch;
-window.fetch = (url, options) => {
-  if (options && options.body) sentBodies.push(JSON.parse(options.body));
-  return original(url, options);
-};"""
 
 
 def test_chat_leaves_sampling_to_the_server_and_marks_a_reply_cut_at_max_tokens(server, browser):
@@ -260,3 +325,35 @@ def test_kv_map_readable_from_100_to_100000_blocks(server, browser, blocks):
     side = round((cell - 1) * kv["dpr"])
     assert kv["lit"] == len({b // group for b in used}) * side * side  # each group holding a used block lit, whole
     assert f"{len(used)} of {blocks} blocks in use ({100 * len(used) / blocks:.1f}%)" in kv["stats"]
+
+
+BACKLOG = """const [t0] = arguments;
+for (let i = 0; i < 5; i++)  // five steps a second apart on the server's clock, arriving together
+  onStep({step: 1e6 + i, t: t0 + i, ms: 5, budget: 512, batch_tokens: 1, lanes: [], preempted: [], running: 1,
+          waiting: 0, swapped: 0, preemptions: 0, generated: 100 * i,
+          kv: {blocks: 8, free: 8, cached: 0, cached_ids: [], swap_used: 0}});
+gauges(latest, false);
+return [rates().map((p) => p[1]), document.getElementById("g-tps").textContent];"""
+
+
+def test_rates_are_timed_by_the_servers_clock(server, browser):
+    """Steps that reach the page together (a backlog) are timed as they ran on the server, not as they arrived:
+    100 tokens a second, not a spike."""
+    d = browser
+    open_page(d, server)
+    rates, tps = d.execute_script(BACKLOG, time.monotonic() - 4)  # the server's clock: this process's
+    assert rates == [100] * 4 and tps == "100.0"
+
+
+LANE_HUES = """const legend = LEGEND.map((v) => hue(getVar(v)));
+return [legend, Array.from({length: 200}, (_, i) => +laneColour("hue-test-" + i).match(/hsl\\((\\d+)/)[1])];"""
+
+
+def test_lane_colours_keep_away_from_the_kv_legends(server, browser):
+    """A lane's block in the KV map never takes a hue near the cached or swapped colour of the legend."""
+    d = browser
+    open_page(d, server)
+    legend, hues = d.execute_script(LANE_HUES)
+    assert len(legend) == 2 and abs(legend[0] - 180) < 5 and abs(legend[1] - 280) < 5  # cyan and purple
+    assert all(min(abs(h - x), 360 - abs(h - x)) >= 35 for h in hues for x in legend)
+    assert len(set(hues[:8])) == 8 and len(set(hues)) > 60  # still many distinct lane colours

@@ -28,7 +28,7 @@ import torch
 import weights
 from config import EngineConfig, add_cli_args, from_cli_args
 from conftest import serving, serving_tiny
-from serve import Server, main
+from serve import Server, main, sampling_note
 from tokenizer import read_chat_template
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -624,6 +624,9 @@ def test_cli_serves_and_stops_on_sigterm():
                 break
         summary = lines[-1]
         assert "KV 64 blocks = 1024 tokens (int8)" in summary and " on cpu " in summary, lines
+        assert "room for 2 requests of the full 512-token context" in summary, summary  # 1024 tokens / 512
+        note = p.stderr.readline()  # random weights: no generation_config.json, no model card
+        assert "get OpenAI's defaults (temperature 1, top_p 1)" in note, note
         host, port = re.search(r"http://([\d.]+):(\d+)", summary).groups()
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("GET", "/metrics")
@@ -639,12 +642,13 @@ def test_cli_serves_and_stops_on_sigterm():
         assert r.status == 200 and r.readline().startswith(b"data: ")
         # Nor do 400 more requests, waiting or being read in: each still gets its whole answer, a 503 (in
         # the stream, for one streamed), before the process ends.
-        answers = []
+        answers, sent = [], threading.Semaphore(0)
 
         def send(stream: bool) -> None:
             c = http.client.HTTPConnection(host, int(port), timeout=60)
             try:
                 c.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 400, "stream": stream}))
+                sent.release()
                 got = c.getresponse()
                 body = got.read()
                 answers.append((got.status, not stream or got.status != 200 or body.endswith(b"data: [DONE]\n\n")))
@@ -653,7 +657,8 @@ def test_cli_serves_and_stops_on_sigterm():
         clients = [threading.Thread(target=send, args=(i % 2 == 0,)) for i in range(400)]
         for c in clients:
             c.start()
-        time.sleep(1)
+        for _ in clients:  # every request on its way: being read, or in the listener's backlog
+            assert sent.acquire(timeout=60)
         p.send_signal(signal.SIGTERM)
         rest = r.read()
         assert b'"error"' in rest and rest.endswith(b"data: [DONE]\n\n"), rest[-300:]
@@ -947,6 +952,28 @@ def test_access_log_and_request_histograms(tiny_server, tiny_client):
     for name in ("request_queue_time_seconds", "e2e_request_latency_seconds"):
         assert f"# TYPE vllm:{name} histogram" in text
         assert float(re.search(rf"^vllm:{name}_count\S* (\S+)$", text, re.M).group(1)) >= 1
+
+
+def test_access_log_says_499_for_a_client_gone_before_its_answer(tiny_server):
+    tiny_server.log = log = io.StringIO()
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "Leave", "max_tokens": 200, "ignore_eos": True}).encode()
+        with socket.create_connection((tiny_server.host, tiny_server.port)) as sock:  # closed once sent
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 10
+        while '"POST' not in log.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        tiny_server.log = sys.stderr
+    # Among any other test's late /metrics polls:
+    assert re.search(r'^127\.0\.0\.1 "POST /v1/completions" 499 client=gone duration=\S+$', log.getvalue(), re.M)
+
+
+def test_startup_says_where_sampling_defaults_come_from(server):
+    # The default model is a preset named by --model, from a GGUF (no generation_config.json): its model card's.
+    assert server.engine.sampling_source == "model card"
+    note = sampling_note(server.engine, server.config)
+    assert "get temperature 0.2, top_p 0.9: the model card's advice for smollm2-135m" in note, note
 
 
 def test_disable_log_requests_flag():
