@@ -293,3 +293,11 @@ def test_tp2_gives_tp1_tokens(monkeypatch, family):
     monkeypatch.setitem(PRESETS, "family-tp", config)
     knobs = dict(model="family-tp", dummy_weights=True, num_kv_blocks=64)
     assert run(PROMPTS, **knobs)[0] == run(PROMPTS, **knobs, tensor_parallel_size=2)[0]
+
+
+def test_qwen_gguf_pre_tokenizer_is_transformers():
+    """Qwen3 GGUFs name the 'qwen2' pre-tokenizer; transformers splits them with Qwen2's pattern, and so do we."""
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from tokenizer import GGUF_PATTERNS
+    assert GGUF_PATTERNS["qwen2"] == PRETOKENIZE_REGEX

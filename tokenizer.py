@@ -22,11 +22,14 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
                   r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen2's, Qwen2.5's and Qwen3's: Llama 3's with one digit to a chunk.
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                 r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # tokenizer.ggml.pre values. 'smollm' gets GPT-2's pattern as in transformers, although llama.cpp and
 # SmolLM2's own tokenizer.json split digits first; the ids differ only for whitespace before a digit.
 # transformers splits every other byte-level GGUF with GPT-2's pattern too; we refuse those rather than guess.
 GGUF_PATTERNS = {"gpt2": GPT2_PATTERN, "smollm": GPT2_PATTERN, "llama3": LLAMA3_PATTERN,
-                 "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN}
+                 "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN}
 END_OF_TURN = ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>"]
 # For a checkpoint that brings no chat template (and for --dummy-weights' byte tokenizer).
 CHATML_TEMPLATE = (
