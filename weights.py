@@ -265,9 +265,11 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
     theta = _f32(meta.get("llama.rope.freq_base", 10000.0))
     if meta.get("llama.rope.scaling.type", "none") != "none" and meta.get("llama.rope.scaling.factor", 1.0) != 1.0:
         raise ValueError(f"RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
-    # llama.cpp's Gemma 3: five local layers (window, base 10,000) to a global one, queries scaled by head_dim.
+    # llama.cpp's Gemma 3: five local layers (window, base 10,000) to a global one, queries scaled by head_dim
+    # (by hidden / heads in the 27B, its 62 layers, as query_pre_attn_scalar says there).
     gemma = dict(gemma=True, sliding_window=meta["llama.attention.sliding_window"], sliding_window_pattern=6,
-                 rope_local_theta=10000.0) if arch == "gemma3" else {}
+                 rope_local_theta=10000.0, query_pre_attn_scalar=hidden // heads if meta["llama.block_count"] == 62
+                 else None) if arch == "gemma3" else {}
     scaling = None
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores Llama 3 scaling only as per-frequency divisors; recover the parameters Meta ships
