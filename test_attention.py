@@ -434,16 +434,17 @@ def stored(k_cache, v_cache, kv):
     return (k.to(DEVICE), v.to(DEVICE)), scales, (k_values, v_values)
 
 
-def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2, kv=None):
+def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2, kv=None,
+                 window=0):
     query, k_cache, v_cache, tables, context_lens, _ = make_batch(
         seed, [(n, 1) for n in lens], num_heads, num_kv_heads, head_dim, block_size, dtype,
         extra_columns=extra_columns)
     scale = head_dim ** -0.5
     caches, scales, values = stored(k_cache, v_cache, kv)
     q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
-    out = attention_cuda.cuda_paged_attention(q, *caches, t, n, scale, **scales)
+    out = attention_cuda.cuda_paged_attention(q, *caches, t, n, scale, **scales, window=window)
     assert out.shape == query.shape and out.dtype == dtype and out.device == q.device
-    expected = reference_decode(query, *values, tables, context_lens, scale)
+    expected = paged_attention(query.float(), *(x.float() for x in values), tables, context_lens, scale, window=window)
     torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
 
 
@@ -456,6 +457,21 @@ def test_kernel_matches_reference(dtype, head_dim, heads, block_size):
     # Contexts ending mid-block, on block and partition (512) boundaries, and several partitions.
     lens = [1, block_size - 1, block_size, block_size + 1, 100, 511, 512, 513, 1300]
     check_kernel(block_size + head_dim, lens, *heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv", [None, torch.int8], ids=kv_id)
+@pytest.mark.parametrize("head_dim, window", [(64, 5), (64, 600), (128, 512), (256, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_kernel_sliding_window_matches_reference(dtype, head_dim, window, kv):
+    # Gemma 3's local layers: each lane reads its last `window` keys, its splits cut from the window's first; head_dim
+    # 256 (Gemma 3's) in 16 and 8 bits (a float32 row of 256 spans two warps: refused).
+    if head_dim == 256 and dtype == torch.float32 and kv is None:
+        with pytest.raises(RuntimeError, match="head_dim"):
+            check_kernel(3, [5], 4, 1, head_dim, 16, dtype, window=window)
+        return
+    check_kernel(window + head_dim, [1, 5, 6, 17, 100, 511, 513, 700, 1500], 8, 2 if head_dim < 256 else 1, head_dim,
+                 16, dtype, kv=kv, window=window)
 
 
 @pytest.mark.cuda
