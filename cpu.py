@@ -165,13 +165,15 @@ class BucketedAttention:
     keys and values are dequantized to it as they are copied, each token's from its own codes and scale alone. No
     batch has one item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are
     made CALL_BYTES at a time. A step's first layer plans what depends on the step's BatchMeta alone; the others
-    reuse it."""
+    reuse it. A sliding window (Gemma 3's local layers) masks the keys before it too: still a function of the
+    token's position alone; those layers get a plan of their own."""
 
     def __init__(self):
-        self.meta: BatchMeta | None = None  # what the plan below was made for
+        self.meta: BatchMeta | None = None  # what the plans below were made for
+        self.plans: dict[int, tuple[list, list]] = {}  # by window
 
-    def plan(self, meta: BatchMeta, k_cache: torch.Tensor, dtype: torch.dtype) -> None:
-        """dtype: the query's, which the keys and values are computed in."""
+    def plan(self, meta: BatchMeta, k_cache: torch.Tensor, dtype: torch.dtype, window: int = 0) -> tuple[list, list]:
+        """dtype: the query's, which the keys and values are computed in. Returns the token and group calls."""
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         key_bytes = kv_heads * k_cache.shape[3] * dtype.itemsize
         lens, ctx = torch.tensor(meta.query_lens), torch.tensor(meta.host_context_lens)
@@ -182,9 +184,11 @@ class BucketedAttention:
         prompt = pos < torch.tensor(meta.prompt_lens, dtype=torch.long)[seq]
         tables = meta.block_tables.cpu().long()
         self.spread = torch.eye(kv_heads, dtype=dtype).view(1, kv_heads, 1, kv_heads, 1)  # see __call__
-        self.meta, self.token_calls, self.group_calls = meta, [], []
+        token_calls, group_calls = [], []
 
-        def score_mask(hidden: torch.Tensor) -> torch.Tensor:  # added to the scores: -inf where hidden, else 0
+        def score_mask(p: torch.Tensor, b: int) -> torch.Tensor:  # added to the scores: -inf for keys after p
+            key = torch.arange(b)  # (or before its window), else 0
+            hidden = (key > p) | (key <= p - window) if window else key > p
             return torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
 
         def blocks(seqs: torch.Tensor, b: int) -> torch.Tensor:  # their first b keys' blocks, block 0 past the end
@@ -203,7 +207,7 @@ class BucketedAttention:
             if len(r) == 1:  # run a lone row with the one before it, or twice
                 r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
             r = generated[r]
-            self.token_calls.append((r, blocks(seq[r], b), score_mask(torch.arange(b) > pos[r, None])[:, None]))
+            token_calls.append((r, blocks(seq[r], b), score_mask(pos[r, None], b)[:, None]))
         rows = prompt.nonzero()[:, 0]
         # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query rows hold the row
         # at that position, or len(seq): the row of zeros __call__ appends.
@@ -215,17 +219,20 @@ class BucketedAttention:
         # key_bucket(first + GROUP) is the bucket of every position in the group
         for b, _, g in calls(key_bucket(first + GROUP, smallest), 1):
             run = g.repeat(2) if len(g) * kv_heads == 1 else g
-            mask = score_mask(torch.arange(b) > (first[run, None] + torch.arange(GROUP))[..., None])
+            mask = score_mask((first[run, None] + torch.arange(GROUP))[..., None], b)
             index = query_rows[g].flatten()
             present = (index < len(seq)).nonzero()[:, 0]
-            self.group_calls.append((query_rows[run].flatten(), blocks(ids[run] // span, b), mask,
-                                     index[present], present))
+            group_calls.append((query_rows[run].flatten(), blocks(ids[run] // span, b), mask, index[present], present))
+        return token_calls, group_calls
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                  scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         if meta is not self.meta:
-            self.plan(meta, k_cache, query.dtype)
+            self.meta, self.plans = meta, {}
+        if window not in self.plans:
+            self.plans[window] = self.plan(meta, k_cache, query.dtype, window)
+        token_calls, group_calls = self.plans[window]
         n, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
         heads_per_kv = heads // kv_heads
@@ -234,24 +241,24 @@ class BucketedAttention:
 
         def keys_values(blocks: torch.Tensor) -> list[torch.Tensor]:
             return [gather_keys(c, blocks, s, query.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale))]
-        if self.token_calls:
+        if token_calls:
             # Grouped-query attention without a copy of the keys per query head: query head h is laid out
             # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
             # identity, exact), so one matmul with the keys as gathered gives every head its scores.
             q = (query.view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
-            for rows, blocks, mask in self.token_calls:
+            for rows, blocks, mask in token_calls:
                 k, v = keys_values(blocks)
                 s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).add_(mask)
                 o = torch.bmm(s.softmax(-1), v).view(len(rows), kv_heads, -1, kv_heads, dim)
                 # Backwards: head h's result is the slice of its row that belongs to its KV head.
                 out.index_copy_(0, rows, o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
-        if self.group_calls:
+        if group_calls:
             def by_kv_head(x: torch.Tensor, items: int, length: int) -> torch.Tensor:
                 """[items * length, kv_heads * width] as [items * kv_heads, length * width / dim, dim]."""
                 return x.view(items, length, kv_heads, -1).transpose(1, 2).reshape(items * kv_heads, -1, dim)
 
             q = torch.cat((query, query.new_zeros(1, heads, dim)))
-            for index, blocks, mask, rows, present in self.group_calls:
+            for index, blocks, mask, rows, present in group_calls:
                 items, b = mask.shape[0], mask.shape[-1]
                 k, v = (by_kv_head(x, items, b) for x in keys_values(blocks))
                 s = torch.bmm(by_kv_head(q.index_select(0, index), items, GROUP), k.transpose(1, 2))
@@ -263,12 +270,12 @@ class BucketedAttention:
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
         """attention_cuda.paged_attention's signature and result."""
         lens = context_lens.tolist()
         meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), 1,
                          max(lens), [1] * len(lens), lens, [0] * len(lens))
-        return self(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return self(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
 
 
 def key_bucket(n: torch.Tensor, smallest: int) -> torch.Tensor:

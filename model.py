@@ -1,6 +1,8 @@
-"""The network: a Llama-family decoder that runs one flattened batch of sequences over the paged KV cache."""
+"""The network: a decoder of the Llama, Qwen3 or Gemma 3 family (a config field per difference) that runs one
+flattened batch of sequences over the paged KV cache."""
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -25,6 +27,19 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm per head on Q and K, before RoPE
+    # Gemma 3: embeddings scaled by sqrt(hidden_size), a norm after attention and after the MLP as well as before,
+    # GeGLU (tanh GELU), norms computed with 1 + w (load_hf_state_dict adds the 1 to the weights).
+    gemma: bool = False
+    query_pre_attn_scalar: float | None = None  # attention scale 1 / sqrt(this); None: head_dim
+    # Local layers attend to the last sliding_window keys (their own included) and rotate by rope_local_theta;
+    # every sliding_window_pattern-th layer (Gemma 3: the 6th, 12th, ...) is global. 0: every layer global.
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0
+    rope_local_theta: float = 10000.0
+
+    def is_local(self, layer: int) -> bool:
+        return bool(self.sliding_window and (layer + 1) % self.sliding_window_pattern)
 
 
 def tp_split(c: ModelConfig, name: str, rank: int, size: int) -> tuple[int, int, int] | None:
@@ -73,13 +88,14 @@ class BatchMeta:
     prompt_lens: list[int]  # cpu.BucketedAttention computes prompt tokens otherwise than generated ones
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, with Llama 3.1's rescaling: long wavelengths are slowed by
-    `factor`, short ones kept, and the band between is interpolated smoothly."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """RoPE inverse frequencies (a local layer's: base rope_local_theta, unscaled), with Llama 3.1's rescaling: long
+    wavelengths are slowed by `factor`, short ones kept, and the band between is interpolated smoothly."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = config.rope_scaling
-    if not s:
+    if not s or local:
         return inv_freq
     old_ctx = s["original_max_position_embeddings"]
     low_wavelen = old_ctx / s["low_freq_factor"]
@@ -102,16 +118,21 @@ class Block(nn.Module):
     """One decoder layer. Q, K and V share one matmul, as do the MLP's gate and up projections. Under tensor
     parallelism (tp_size ranks) it holds this rank's heads and MLP columns only."""
 
-    def __init__(self, c: ModelConfig, tp_size: int = 1):
+    def __init__(self, c: ModelConfig, tp_size: int = 1, local: bool = False):
         super().__init__()
         self.heads, self.kv_heads = c.num_attention_heads // tp_size, max(1, c.num_key_value_heads // tp_size)
         self.head_dim = d = c.head_dim
         q_width, kv_width, inter = self.heads * d, self.kv_heads * d, c.intermediate_size // tp_size
+        self.local, self.window = local, c.sliding_window if local else 0
+        self.scale = 1.0 / math.sqrt(c.query_pre_attn_scalar or d)
+        self.act = partial(F.gelu, approximate="tanh") if c.gemma else F.silu
         # On the meta device the weights cost no memory until the checkpoint's tensors replace them.
-        self.attn_norm = nn.RMSNorm(c.hidden_size, c.rms_norm_eps, device="meta")
+        norm = lambda on, n=c.hidden_size: nn.RMSNorm(n, c.rms_norm_eps, device="meta") if on else nn.Identity()  # noqa: E731
+        self.attn_norm, self.mlp_norm = norm(True), norm(True)
+        self.q_norm, self.k_norm = (norm(True, d), norm(True, d)) if c.qk_norm else (None, None)
+        self.attn_post_norm, self.mlp_post_norm = norm(c.gemma), norm(c.gemma)
         self.qkv = nn.Linear(c.hidden_size, q_width + 2 * kv_width, bias=False, device="meta")
         self.o = nn.Linear(q_width, c.hidden_size, bias=False, device="meta")
-        self.mlp_norm = nn.RMSNorm(c.hidden_size, c.rms_norm_eps, device="meta")
         self.gate_up = nn.Linear(c.hidden_size, 2 * inter, bias=False, device="meta")
         self.down = nn.Linear(inter, c.hidden_size, bias=False, device="meta")
 
@@ -123,13 +144,16 @@ class Block(nn.Module):
         k_cache, v_cache, *scales = kv_cache
         qkv = self.qkv(self.attn_norm(x)).view(n, -1, d)
         # Q and K heads take the same rotation, so they are rotated together in one pass.
-        qk = apply_rope(qkv[:, :h + kv], cos, sin)
+        qk = qkv[:, :h + kv]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), 1)
+        qk = apply_rope(qk, cos, sin)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
-        o = ops.attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(d), *scales)
-        x = x + ops.all_reduce(self.o(o.reshape(n, -1)))
+        o = ops.attention(q, k_cache, v_cache, meta, self.scale, *scales, window=self.window)
+        x = x + self.attn_post_norm(ops.all_reduce(self.o(o.reshape(n, -1))))
         gate, up = self.gate_up(self.mlp_norm(x)).view(n, 2, -1).unbind(1)
-        return x + ops.all_reduce(self.down(F.silu(gate) * up))
+        return x + self.mlp_post_norm(ops.all_reduce(self.down(self.act(gate) * up)))
 
 
 class Transformer(nn.Module):
@@ -144,14 +168,17 @@ class Transformer(nn.Module):
         # import torch._dynamo (slow) in every process that builds a model.
         shape = (config.vocab_size, config.hidden_size)
         self.embed = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"))
-        self.layers = nn.ModuleList(Block(config, tp_size) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(config, tp_size, config.is_local(i)) for i in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps, device="meta")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-        freqs = torch.outer(torch.arange(max_model_len, device=device).float(), rope_inv_freq(config).to(device))
+        # [global, local] tables (the local one only with sliding windows) of [max_model_len, head_dim]
+        freqs = torch.stack([torch.outer(torch.arange(max_model_len, device=device).float(),
+                                         rope_inv_freq(config, local).to(device))
+                             for local in (False, True)[:1 + bool(config.sliding_window)]])
         freqs = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         sin = freqs.sin()
-        sin[:, :config.head_dim // 2] *= -1  # see apply_rope
+        sin[..., :config.head_dim // 2] *= -1  # see apply_rope
         self.register_buffer("rope_sin", sin, persistent=False)
         # Paged attention: our kernel on CUDA, else the pure-PyTorch reference (cpu.py swaps in its own).
         cuda = torch.device(device).type == "cuda"
@@ -160,23 +187,26 @@ class Transformer(nn.Module):
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
-                  scale: float, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Each query token attends to its own sequence's cached keys up to its position: the decode path
-        when every sequence brings one token, else the reference's varlen form."""
+                  scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  window: int = 0) -> torch.Tensor:
+        """Each query token attends to its own sequence's cached keys up to its position (the last `window` of
+        them, if set): the decode path when every sequence brings one token, else the reference's varlen form."""
         if meta.max_query_len == 1:
             return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
-                               k_scale, v_scale)
+                               k_scale, v_scale, window)
         return attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                      meta.query_lens, meta.host_context_lens, scale, self.decode,
-                                                     k_scale, v_scale)
+                                                     k_scale, v_scale, window)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take weights in Hugging Face Llama naming (what weights.py yields), fusing QKV and
-        gate/up, onto the rope tables' device. Consumes sd to keep peak memory at one copy."""
+        gate/up, onto the rope tables' device; Gemma's norms as 1 + w, added in float32. Consumes sd to keep peak
+        memory at one copy."""
         def put(module: nn.Module, *names: str) -> None:
             t = torch.cat([sd.pop(n) for n in names]) if len(names) > 1 else sd.pop(names[0])
+            if self.config.gemma and isinstance(module, nn.RMSNorm):
+                t = (t.float() + 1).to(t.dtype)
             module.weight = nn.Parameter(t.to(self.rope_cos.device), requires_grad=False)
 
         put(self.embed, "model.embed_tokens.weight")
@@ -193,7 +223,14 @@ class Transformer(nn.Module):
             put(layer.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
             put(layer.down, p + "mlp.down_proj.weight")
             put(layer.attn_norm, p + "input_layernorm.weight")
-            put(layer.mlp_norm, p + "post_attention_layernorm.weight")
+            if self.config.qk_norm:
+                put(layer.q_norm, p + "self_attn.q_norm.weight")
+                put(layer.k_norm, p + "self_attn.k_norm.weight")
+            if self.config.gemma:  # Gemma's post_attention_layernorm follows attention; pre_feedforward precedes the MLP
+                put(layer.attn_post_norm, p + "post_attention_layernorm.weight")
+                put(layer.mlp_post_norm, p + "post_feedforward_layernorm.weight")
+            put(layer.mlp_norm, p + ("pre_feedforward_layernorm.weight" if self.config.gemma
+                                     else "post_attention_layernorm.weight"))
         if sd:
             raise ValueError(f"unexpected weights in checkpoint: {sorted(sd)[:5]}")
 
@@ -203,8 +240,10 @@ class Transformer(nn.Module):
         """input_ids, positions: [num_tokens]. Returns logits (in the model's dtype) for meta.sample_rows only:
         the LM head is the largest matmul per token and mid-prompt rows never need it."""
         x = self.embed(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype)[:, None, :]
-        sin = self.rope_sin[positions].to(x.dtype)[:, None, :]
+        if self.config.gemma:  # the scale rounded to the model's dtype first, as in transformers
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        cos = self.rope_cos[:, positions].to(x.dtype)[:, :, None, :]
+        sin = self.rope_sin[:, positions].to(x.dtype)[:, :, None, :]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv_cache, self)
+            x = layer(x, cos[int(layer.local)], sin[int(layer.local)], meta, kv_cache, self)
         return self.lm_head(self.norm(x[meta.sample_rows]))

@@ -36,7 +36,7 @@ setup(
     packages=["attention_cuda"],
     package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"]},
     data_files=[("share/laneserve", ["page.html"])],  # serve.py looks there when it is not beside it
-    install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2"],
+    install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2", "tokenizers"],
     extras_require={"test": ["pytest", "transformers", "accelerate", "openai", "hypothesis", "selenium"]},
     **cuda_build(),
 )

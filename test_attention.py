@@ -43,9 +43,11 @@ def make_batch(seed, lanes, num_heads, num_kv_heads, head_dim, block_size, dtype
     return query, k_cache, v_cache, tables, context_lens, query_start_loc
 
 
-def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, rounded=None):
+def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, rounded=None,
+                    window=0):
     """Lane by lane, token by token through the block table, softmax written out, in float64; with
-    `rounded` (a dtype), the scaled query, the scores and the weights are rounded to it on the way."""
+    `rounded` (a dtype), the scaled query, the scores and the weights are rounded to it on the way; with
+    `window`, a token at pos sees keys pos - window + 1 .. pos only."""
     r = (lambda x: x.to(rounded).double()) if rounded else (lambda x: x)
     block_size, group = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float64)
@@ -56,10 +58,11 @@ def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_s
         values = torch.stack([v_cache[b, o] for b, o in slots]).double()
         for row in range(start, end):
             pos = ctx - (end - start) + (row - start)  # this query token's position; it sees 0..pos
+            first = max(0, pos - window + 1) if window else 0
             for h in range(query.shape[1]):
-                logits = r(keys[:pos + 1, h // group] @ r(query[row, h].double() * scale))
+                logits = r(keys[first:pos + 1, h // group] @ r(query[row, h].double() * scale))
                 w = torch.exp(logits - logits.max())
-                out[row, h] = r(w / w.sum()) @ values[:pos + 1, h // group]
+                out[row, h] = r(w / w.sum()) @ values[first:pos + 1, h // group]
     return out
 
 
@@ -101,6 +104,30 @@ def test_reference_decode_matches_naive():
     out = paged_attention(query, k_cache, v_cache, tables, lens, 0.125)
     expected = naive_attention(query, k_cache, v_cache, tables, lens, starts, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [1, 5, 64, 100])
+def test_sliding_window_in_every_form(window, dtype):
+    # Gemma 3's local layers: the reference (decode and varlen: whole prompts, later chunks) and cpu.py's attention
+    # (generated and prompt tokens) against the float64 loop, windows shorter and longer than the lanes, a window
+    # start mid-block and mid-bucket.
+    lanes = [(1, 1), (37, 1), (300, 1), (70, 1), (7, 7), (50, 9), (130, 130), (200, 70)]
+    batch = make_batch(window, lanes, 8, 2, 64, 16, dtype)
+    expected = naive_attention(*[x.double() if x.is_floating_point() else x for x in batch], 0.125,
+                               rounded=dtype if dtype != torch.float32 else None, window=window)
+    if dtype == torch.float32:  # the reference's SDPA rounds otherwise than HF's eager attention in bfloat16
+        starts = batch[5].tolist()
+        out = paged_attention_varlen(*batch[:5], [b - a for a, b in zip(starts, starts[1:])], batch[4].tolist(),
+                                     0.125, window=window)
+        torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
+    prompt_lens = [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]  # prompt and generated tokens
+    meta = BatchMeta(torch.empty(0), batch[3], batch[4], torch.empty(0), 130, 300, [n for _, n in lanes],
+                     [c for c, _ in lanes], prompt_lens)
+    out = cpu.BucketedAttention()(*batch[:3], meta, 0.125, window=window)
+    torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
+    if window < 300:  # the window matters: without it, the longest lane's answer differs
+        assert (paged_attention(*batch[:5], 0.125)[2] - out[2]).abs().max() > 1e-2
 
 
 # In bfloat16 the scores and the weights are rounded to it, as HF's eager attention rounds them: the
@@ -407,16 +434,17 @@ def stored(k_cache, v_cache, kv):
     return (k.to(DEVICE), v.to(DEVICE)), scales, (k_values, v_values)
 
 
-def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2, kv=None):
+def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2, kv=None,
+                 window=0):
     query, k_cache, v_cache, tables, context_lens, _ = make_batch(
         seed, [(n, 1) for n in lens], num_heads, num_kv_heads, head_dim, block_size, dtype,
         extra_columns=extra_columns)
     scale = head_dim ** -0.5
     caches, scales, values = stored(k_cache, v_cache, kv)
     q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
-    out = attention_cuda.cuda_paged_attention(q, *caches, t, n, scale, **scales)
+    out = attention_cuda.cuda_paged_attention(q, *caches, t, n, scale, **scales, window=window)
     assert out.shape == query.shape and out.dtype == dtype and out.device == q.device
-    expected = reference_decode(query, *values, tables, context_lens, scale)
+    expected = paged_attention(query.float(), *(x.float() for x in values), tables, context_lens, scale, window=window)
     torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
 
 
@@ -429,6 +457,21 @@ def test_kernel_matches_reference(dtype, head_dim, heads, block_size):
     # Contexts ending mid-block, on block and partition (512) boundaries, and several partitions.
     lens = [1, block_size - 1, block_size, block_size + 1, 100, 511, 512, 513, 1300]
     check_kernel(block_size + head_dim, lens, *heads, head_dim, block_size, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv", [None, torch.int8], ids=kv_id)
+@pytest.mark.parametrize("head_dim, window", [(64, 5), (64, 600), (128, 512), (256, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_kernel_sliding_window_matches_reference(dtype, head_dim, window, kv):
+    # Gemma 3's local layers: each lane reads its last `window` keys, its splits cut from the window's first; head_dim
+    # 256 (Gemma 3's) in 16 and 8 bits (a float32 row of 256 spans two warps: refused).
+    if head_dim == 256 and dtype == torch.float32 and kv is None:
+        with pytest.raises(RuntimeError, match="head_dim"):
+            check_kernel(3, [5], 4, 1, head_dim, 16, dtype, window=window)
+        return
+    check_kernel(window + head_dim, [1, 5, 6, 17, 100, 511, 513, 700, 1500], 8, 2 if head_dim < 256 else 1, head_dim,
+                 16, dtype, kv=kv, window=window)
 
 
 @pytest.mark.cuda

@@ -10,7 +10,9 @@ from collections import defaultdict
 import pytest
 
 import cpu
+import weights
 from engine import LLM, SamplingParams
+from model import ModelConfig
 
 pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m "not slow"`
 
@@ -19,6 +21,29 @@ MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
 # (mode, --kv-cache-dtype): each 8-bit KV type in bfloat16, where the scores round most
 KV_MODES = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"), ("bfloat16", "fp8_e4m3"),
             ("bfloat16", "fp8_e5m2")]
+
+
+# Qwen3's and Gemma 3's arithmetic in small shapes: q/k norms; Gemma's norms after attention and MLP, GeGLU, and
+# two local layers to a global one over a window of 32 keys, which the 400-token prompts and the 40-260-token
+# shared prefixes slide past.
+FAMILIES = {
+    "qwen3-shapes": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                                rope_theta=1e6, tie_word_embeddings=True, qk_norm=True),
+    "gemma3-shapes": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+                                 rope_theta=1e6, tie_word_embeddings=True, qk_norm=True, gemma=True,
+                                 query_pre_attn_scalar=64, sliding_window=32, sliding_window_pattern=3)}
+# Each family in float32, and in bfloat16 with an 8-bit cache (SmolLM2's shapes take every mode).
+FAMILY_MODES = [(family, mode, kv) for family in FAMILIES for mode, kv in (("float32", "auto"), ("bfloat16", "int8"))]
+
+
+@pytest.fixture(scope="module")
+def families(smollm2_shapes):
+    with pytest.MonkeyPatch.context() as patch:
+        for name, config in FAMILIES.items():
+            patch.setitem(weights.PRESETS, name, config)
+        yield
 
 
 def engine(model: str, mode: str, **knobs) -> LLM:
@@ -49,14 +74,14 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(300, 8192) for _ in range(n)]
 
 
-@pytest.mark.parametrize("mode, kv_cache_dtype", KV_MODES)
-def test_64_lanes_sampling_together(smollm2_shapes, mode, kv_cache_dtype):
+@pytest.mark.parametrize("model, mode, kv_cache_dtype", [("smollm2-shapes", *m) for m in KV_MODES] + FAMILY_MODES)
+def test_64_lanes_sampling_together(families, model, mode, kv_cache_dtype):
     # 62 short prompts (3-60 tokens) that decode 10-16 tokens, and 2 of 400 tokens arriving last, whose
     # prefill runs beside 62 decodes; a budget of 256 cuts prompts wherever it runs out.
     rng = random.Random(64)
     requests = [(random_prompt(rng, rng.randint(3, 60)), greedy(rng.randint(10, 16))) for _ in range(62)]
     requests += [(random_prompt(rng, 400), greedy(rng.randint(2, 6))) for _ in range(2)]
-    llm = engine(smollm2_shapes, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True,
+    llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True,
                  kv_cache_dtype=kv_cache_dtype)
     assert len(llm.runner.kv_cache.layers[0]) == (2 if kv_cache_dtype == "auto" else 4)  # codes and scales
     together = run(llm, requests)
@@ -75,16 +100,17 @@ def shared_prefixes(smollm2_shapes) -> list[tuple[list[int], SamplingParams]]:
             for system in systems + [[]] for _ in range(4)]
 
 
-@pytest.mark.parametrize("mode, kv_cache_dtype", KV_MODES + [("int4", "auto"), ("int4", "int8")])
-def test_lanes_alone_equal_lanes_together_in_every_path(smollm2_shapes, shared_prefixes, mode, kv_cache_dtype):
+@pytest.mark.parametrize("model, mode, kv_cache_dtype", [("smollm2-shapes", *m) for m in
+                                                         KV_MODES + [("int4", "auto"), ("int4", "int8")]] + FAMILY_MODES)
+def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixes, model, mode, kv_cache_dtype):
     requests, kv = shared_prefixes, dict(kv_cache_dtype=kv_cache_dtype)
-    expected = alone(engine(smollm2_shapes, mode, max_num_batched_tokens=512, **kv), requests)
+    expected = alone(engine(model, mode, max_num_batched_tokens=512, **kv), requests)
     for budget in (32, 64, 512):
-        llm = engine(smollm2_shapes, mode, max_num_batched_tokens=budget, enable_prefix_caching=True, **kv)
+        llm = engine(model, mode, max_num_batched_tokens=budget, enable_prefix_caching=True, **kv)
         assert run(llm, requests) == expected, budget
         assert llm.scheduler.prefix_hits > 0
     for preemption in ("recompute", "swap"):  # 24 blocks of 16 tokens: a few sequences at a time
-        llm = engine(smollm2_shapes, mode, num_kv_blocks=24, max_num_batched_tokens=64,
+        llm = engine(model, mode, num_kv_blocks=24, max_num_batched_tokens=64,
                      preemption_mode=preemption, swap_space=0.05, **kv)
         assert run(llm, requests) == expected, preemption
         assert llm.scheduler.num_preemptions > 0

@@ -119,7 +119,7 @@ def test_one_host_sync_per_step(tiny, monkeypatch):
     # sampled tokens (and logprobs), once, whatever the mix of prefill chunks, decodes and sampling modes.
     llm = engine(tiny, max_num_batched_tokens=64)
     # CPU attention reads lengths back (free on a CPU); the CUDA kernels read none. Stand-ins that read none:
-    llm.runner.model.attention = lambda q, *args: q.clone()
+    llm.runner.model.attention = lambda q, *args, **kwargs: q.clone()
     llm.runner.model.store_kv = lambda *args: None
     monkeypatch.setattr(sampler, "TOP_P_HEAD", 10**9)  # on CPU top_p reads the head's mass back; CUDA sorts all
     modes = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),

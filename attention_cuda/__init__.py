@@ -63,9 +63,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, s
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    window: int = 0) -> torch.Tensor:
     """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to its
-    sequence's first context_lens[i] cached tokens (its own included) alone; query head h reads KV head
+    sequence's first context_lens[i] cached tokens (its own included; window > 0: the last `window` of them) alone; query head h reads KV head
     h // (num_heads / num_kv_heads) (grouped-query attention). In float32 (float64 stays float64), sequence by
     sequence; returns query's shape and dtype (zeros for context 0). max_context_len: for the kernel's signature.
     k_scale, v_scale: an 8-bit cache's (see store_kv)."""
@@ -73,8 +74,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     acc = torch.promote_types(query.dtype, torch.float32)
     out = torch.empty_like(query)
     for i, n in enumerate(context_lens.tolist()):
-        k, v = (gather_kv(c, block_tables[i], n, s, acc).to(acc).repeat_interleave(group, dim=1)
-                for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+        k, v = (gather_kv(c, block_tables[i], n, s, acc)[max(0, n - window) if window else 0:].to(acc)
+                .repeat_interleave(group, dim=1) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         scores = torch.einsum("hd,nhd->hn", query[i].to(acc), k) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(query.dtype)
     return out
@@ -83,8 +84,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: list[int],
                            host_context_lens: list[int], scale: float, decode: Callable = paged_attention,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention for a flattened batch of sequences. Sequence i owns the next query_lens[i] rows of query
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
+    """Causal attention (window > 0: over the last `window` positions) for a flattened batch of sequences. Sequence i owns the next query_lens[i] rows of query
     ([total_tokens, num_heads, head_dim]), the last of its context_lens[i] tokens: row j sits at position
     context_len - q_len + j and sees keys 0..that position of its sequence alone. The leading one-token sequences
     go to `decode` together (the CUDA kernel on GPU), the rest to SDPA. query_lens, host_context_lens: host lists.
@@ -93,18 +95,19 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty_like(query)
     if ones:
         out[:ones] = decode(query[:ones], k_cache, v_cache, block_tables[:ones], context_lens[:ones], scale,
-                            max(host_context_lens[:ones]), k_scale=k_scale, v_scale=v_scale)
+                            max(host_context_lens[:ones]), k_scale, v_scale, window)
     s = ones
     for i in range(ones, len(query_lens)):
         n, ctx = query_lens[i], host_context_lens[i]
         k, v = (gather_kv(c, block_tables[i], ctx, sc, query.dtype).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
                 for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))
         q = query[s:s + n].unsqueeze(0).transpose(1, 2)
-        if n == ctx:  # a whole prompt in one chunk: plain causal attention
+        if n == ctx and not window:  # a whole prompt in one chunk: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # a later chunk (positions ctx - n .. ctx - 1)
-            pos = torch.arange(ctx - n, ctx, device=query.device)
-            mask = torch.arange(ctx, device=query.device)[None, :] <= pos[:, None]
+        else:  # a later chunk (positions ctx - n .. ctx - 1), or a window
+            pos = torch.arange(ctx - n, ctx, device=query.device)[:, None]
+            mask = (key := torch.arange(ctx, device=query.device)) <= pos
+            mask &= key > pos - window if window else True
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:s + n] = o[0].transpose(0, 1)
         s += n
@@ -148,9 +151,9 @@ def _kernels():
 def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          max_context_len: int | None = None, k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new contiguous tensor).
-    head_dim 64 or 128, block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and context_lens int32
+    head_dim 64 or 128 (256 in 16 or 8 bits), block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and context_lens int32
     on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens
     entry or more, from the host (so no device sync); it bounds the fp32 scratch. None: all that block_tables
     addresses. Each sequence's result depends on its own context alone. An 8-bit cache (float8_e4m3fn,
@@ -160,7 +163,7 @@ def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         max_context_len = block_tables.shape[1] * k_cache.shape[1] if shaped else 0
     with torch.cuda.device(query.device if query.is_cuda else -1):
         return _kernels().paged_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                          int(max_context_len), k_scale, v_scale,
+                                          int(max_context_len), k_scale, v_scale, int(window),
                                           torch.cuda.current_stream().cuda_stream)
 
 

@@ -61,7 +61,7 @@ void check(const char* err) { TORCH_CHECK(err == nullptr, "CUDA kernel launch fa
 at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                               at::Tensor block_tables, at::Tensor context_lens, double scale,
                               int64_t max_context_len, std::optional<at::Tensor> k_scale,
-                              std::optional<at::Tensor> v_scale, int64_t stream) {
+                              std::optional<at::Tensor> v_scale, int64_t window, int64_t stream) {
   TORCH_CHECK(query.is_cuda(), "query must be a CUDA tensor, got one on ", query.device());
   const int dtype = dtype_code(query);
   const int cache_dtype = check_cache(k_cache, v_cache, query, k_scale, v_scale);
@@ -70,8 +70,9 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
   TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", query.sizes());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "paged attention kernel: head_dim must be 64 or 128, got ",
-              head_dim);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || (head_dim == 256 && (dtype || cache_dtype)),
+              "paged attention kernel: head_dim must be 64 or 128 (256 with a 16- or 8-bit cache), got ", head_dim);
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, "window must be >= 0, got ", window);
   TORCH_CHECK(k_cache.size(3) == head_dim, "cache head_dim ", k_cache.size(3), " != query head_dim ", head_dim);
   TORCH_CHECK(block_size == 8 || block_size == 16 || block_size == 32, "block_size must be 8, 16 or 32, got ",
               block_size);
@@ -100,7 +101,7 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
                          (int)num_kv_heads, (int)head_dim, (int)block_size, (int)block_tables.size(1), 1, dtype,
                          query.stride(0), query.stride(1), (float)scale,
                          cache_dtype ? k_scale->data_ptr<float>() : nullptr,
-                         cache_dtype ? v_scale->data_ptr<float>() : nullptr, cache_dtype};
+                         cache_dtype ? v_scale->data_ptr<float>() : nullptr, cache_dtype, (int)window};
   p.num_splits = laneserve_attention_splits(max_context_len);  // and each sequence its own, at most this
   // Freed on return, which is safe: `stream` is torch's current one, on which the allocator orders reuse.
   at::Tensor tmp_out, tmp_ml;
@@ -153,7 +154,7 @@ void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 
 TORCH_LIBRARY(laneserve, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int max_context_len, Tensor? k_scale, Tensor? v_scale, int stream) -> Tensor",
+        "float scale, int max_context_len, Tensor? k_scale, Tensor? v_scale, int window, int stream) -> Tensor",
         &paged_attention);  // decode attention over the paged KV cache (k_scale, v_scale: an 8-bit one's)
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor(c!)? k_scale, Tensor(d!)? v_scale, int stream) -> ()",

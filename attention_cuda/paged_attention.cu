@@ -57,6 +57,12 @@ __device__ __forceinline__ int seq_len(const PagedAttentionParams& p, int seq) {
   return min(max(p.context_lens[seq], 0), p.max_blocks * p.block_size);
 }
 
+// The first key the sequence's query reads: 0, or with a sliding window (p.window > 0) the window's first.
+// Splits cut the keys from there, so they depend on the sequence alone still.
+__device__ __forceinline__ int window_start(const PagedAttentionParams& p, int ctx) {
+  return p.window > 0 && ctx > p.window ? ctx - p.window : 0;
+}
+
 // The sequence's own split count, within the grid. A context longer than the host declared gets the
 // grid's p.num_splits, longer splits: still exact, only no longer independent of the batch.
 __device__ __forceinline__ int lane_splits(const PagedAttentionParams& p, int ctx) {
@@ -157,9 +163,9 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
   const int head0 = kv_head * group + g0;
   const int nh = min(GMAX, group - g0);           // heads of this block, block-uniform
   const int seq = blockIdx.y, split = blockIdx.z;
-  const int ctx = seq_len(p, seq), n = lane_splits(p, ctx);
+  const int ctx = seq_len(p, seq), first = window_start(p, ctx), n = lane_splits(p, ctx - first);
   if (split >= n) return;  // a split this sequence does not need (a longer one in the call does)
-  const int start = split * split_len(ctx, n), end = min(start + split_len(ctx, n), ctx);
+  const int start = first + split * split_len(ctx - first, n), end = min(start + split_len(ctx - first, n), ctx);
   T* out_row = static_cast<T*>(p.out) + ((int64_t)seq * p.num_heads + head0) * HEAD_DIM;
 
   if (ctx == 0) {  // an empty sequence (n = 1) gets zeros
@@ -299,7 +305,7 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
 template <typename T>
 __global__ void reduce_kernel(const PagedAttentionParams p) {
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x, head_dim = blockDim.x;
-  const int n = lane_splits(p, seq_len(p, seq));
+  const int ctx = seq_len(p, seq), n = lane_splits(p, ctx - window_start(p, ctx));
   if (n == 1) return;
   const int64_t r0 = ((int64_t)seq * p.num_heads + head) * p.num_splits;
   const float* ml = p.tmp_ml + 2 * r0;
@@ -392,13 +398,15 @@ extern "C" {
 int laneserve_attention_splits(int64_t max_context) { return splits_for(max_context, MAX_SPLITS); }
 
 const char* laneserve_paged_attention(const PagedAttentionParams* p, cudaStream_t stream) {
-  if (p->head_dim != 64 && p->head_dim != 128) return "head_dim must be 64 or 128";
+  if (p->head_dim != 64 && p->head_dim != 128 && p->head_dim != 256) return "head_dim must be 64, 128 or 256";
+  if (p->head_dim == 256 && p->dtype == 0 && p->cache_dtype == 0) return "head_dim 256 needs a 16- or 8-bit cache";
   if (p->block_size <= 0 || (p->block_size & (p->block_size - 1))) return "block_size must be a power of two";
   if (p->cache_dtype != 0 && (!p->k_scale || !p->v_scale)) return "an 8-bit cache needs k_scale and v_scale";
   if (p->num_seqs == 0) return nullptr;
   const bool known = with_types(p->dtype, p->cache_dtype, [&](auto t, auto c) {
     if (p->head_dim == 64) launch_attention<decltype(t), decltype(c), 64>(*p, stream);
-    else launch_attention<decltype(t), decltype(c), 128>(*p, stream);
+    else if (p->head_dim == 128) launch_attention<decltype(t), decltype(c), 128>(*p, stream);
+    else if constexpr (sizeof(c) <= 2) launch_attention<decltype(t), decltype(c), 256>(*p, stream);  // a row in a warp
   });
   return known ? last_error() : "dtype must be float32, float16 or bfloat16, cache_dtype 0 to 3";
 }

@@ -14,7 +14,8 @@ typedef struct CUstream_st* cudaStream_t;  // as cuda_runtime_api.h declares it;
 // [..., num_splits, 2] are fp32 scratch. dtype: 0 float32, 1 float16, 2 bfloat16; head_dim 64 or
 // 128; block_size a power of two. cache_dtype: 0 the caches hold dtype; 1 fp8 e4m3, 2 fp8 e5m2, 3 int8:
 // they hold one-byte codes, and k_scale, v_scale [num_blocks, block_size, num_kv_heads] (float32,
-// contiguous) one scale per token and KV head: value = float(code) * scale.
+// contiguous) one scale per token and KV head: value = float(code) * scale. head_dim 256 too with a 16- or 8-bit
+// cache. window > 0: each query reads only the last `window` of its context_lens[i] tokens (a sliding window).
 struct PagedAttentionParams {
   void* out;
   float *tmp_out, *tmp_ml;
@@ -25,6 +26,7 @@ struct PagedAttentionParams {
   float scale;
   const float *k_scale, *v_scale;
   int cache_dtype;
+  int window;
 };
 
 extern "C" {

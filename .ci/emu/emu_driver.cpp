@@ -4,7 +4,8 @@
 // laneserve's copy of ../shared/tools/cuda_emu/emu_driver.cpp (run by .ci/emu/run_emu.sh), extended for the 8-bit
 // KV caches: every attention case runs with each cache type (auto, fp8 e4m3, fp8 e5m2, int8; the reference
 // dequantizes float(code) * scale in float32), every code's value comes back exactly through the kernel, and
-// laneserve_store_kv_quantized writes the codes and scales of the contract's formula, byte for byte.
+// laneserve_store_kv_quantized writes the codes and scales of the contract's formula, byte for byte. Also: sliding
+// windows (each lane reads only its last `window` tokens; the reference sums over those alone) and head_dim 256.
 // Exit status 0 only if every case passed and the emulator recorded no error.
 #define EMU_IMPLEMENTATION
 #include "cuda_emu.h"
@@ -138,6 +139,7 @@ struct AttnCase {
   const char* note = "";
   int overclaim = 0;  // context_lens[0] passed to the kernel = lens[0] + overclaim (table sized for lens[0])
   int kv = AUTO;      // the cache type
+  int window = 0;     // > 0: a sliding window, each lane's last `window` tokens
 };
 
 // An 8-bit cache and its scales, exactly sized (so ASan catches any overrun); [slots, kv_heads, head_dim] codes.
@@ -203,7 +205,7 @@ void run_attention(const AttnCase& c) {
   p.block_tables = tables, p.context_lens = lens;
   p.num_seqs = seqs, p.num_heads = nh, p.num_kv_heads = kvh, p.head_dim = hd, p.block_size = bs;
   p.max_blocks = max_blocks, p.dtype = c.dt;
-  p.q_stride_seq = qrow, p.q_stride_head = hd, p.scale = scale;
+  p.q_stride_seq = qrow, p.q_stride_head = hd, p.scale = scale, p.window = c.window;
   p.num_splits = laneserve_attention_splits(int64_t(max_blocks) * bs);  // as binding.cpp does
   float *tmp_out = nullptr, *tmp_ml = nullptr;
   if (p.num_splits > 1) {  // exactly the binding's sizes, poisoned with NaN
@@ -226,6 +228,7 @@ void run_attention(const AttnCase& c) {
   std::vector<double> logits, w;
   for (int s = 0; s < seqs; ++s) {
     const int ctx = std::min(std::max(lens[s], 0), max_blocks * bs);
+    const int first = c.window > 0 && ctx > c.window ? ctx - c.window : 0;  // the window's first token
     for (int h = 0; h < nh; ++h) {
       const int kh = h / group;
       std::vector<double> ref(hd, 0.0);
@@ -233,6 +236,7 @@ void run_attention(const AttnCase& c) {
         logits.assign(ctx, 0);
         double mx = -INFINITY;
         for (int t = 0; t < ctx; ++t) {
+          if (t < first) { logits[t] = -INFINITY; continue; }
           const size_t base = ((size_t(tables[s * max_blocks + t / bs]) * bs + t % bs) * kvh + kh) * hd;
           double dot = 0;
           for (int d = 0; d < hd; ++d) dot += q.get(size_t(s) * qrow + size_t(h) * hd + d) * kd[base + d];
@@ -241,7 +245,7 @@ void run_attention(const AttnCase& c) {
         }
         double sum = 0;
         for (int t = 0; t < ctx; ++t) sum += (logits[t] = std::exp(logits[t] - mx));
-        for (int t = 0; t < ctx; ++t) {
+        for (int t = first; t < ctx; ++t) {
           const size_t base = ((size_t(tables[s * max_blocks + t / bs]) * bs + t % bs) * kvh + kh) * hd;
           const double wt = logits[t] / sum;
           for (int d = 0; d < hd; ++d) ref[d] += wt * vd[base + d];
@@ -430,6 +434,19 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
   std::vector<AttnCase> cases;
   const std::pair<int, int> HEADS[] = {{4, 4}, {4, 2}, {9, 3}, {8, 2}, {8, 1}};  // GQA 1, 2, 3, 4, 8
+  // Sliding windows (Gemma 3's local layers), in every mode: one split and several, windows shorter and longer than a
+  // lane, a window start mid-block; and head_dim 256 (Gemma 3), which an fp32 cache does not take.
+  for (int dt = 0; dt < 3; ++dt)
+    for (int window : {5, 16, 600}) {
+      AttnCase w{dt, 64, 8, 2, 16, {1, 5, 6, 17, 100, 700, 1500}, 2, 0, false, 2.0f, seed++, " window"};
+      w.window = window;
+      cases.push_back(w);
+    }
+  for (int dt = 0; dt < 3; ++dt) {
+    AttnCase w{dt, 256, 4, 1, 16, {1, 17, 513, 700}, 2, 0, false, 2.0f, seed++, " head_dim 256, window 512"};
+    w.window = 512;
+    cases.push_back(w);
+  }
   if (mode == "quick" || mode == "sched") {
     for (int dt = 0; dt < 3; ++dt)
       for (int hd : {64, 128})
@@ -471,6 +488,7 @@ int main(int argc, char** argv) {
   for (int kv = AUTO; kv <= INT8; ++kv)
     for (auto c : cases) {
       c.kv = kv;
+      if (c.head_dim == 256 && c.dt == 0 && kv == AUTO) continue;  // refused: a float32 row spans two warps
       run_attention(c);
     }
   if (mode != "sched") {
