@@ -114,5 +114,7 @@ class Linear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.k:
+            raise ValueError(f"cpu_matmul.Linear: input of {x.shape[-1]} features does not fit {self.k}")
         y = torch.ops.laneserve_cpu.linear(x.reshape(-1, self.k).contiguous(), self.packed, self.kind, self.n, self.isa)
         return y.view(*x.shape[:-1], self.n)
