@@ -14,9 +14,13 @@ pytestmark = pytest.mark.skipif(not ISAS, reason="the kernel did not build, or t
 
 def layer(dtype: torch.dtype, int4: bool, isa: str, n: int = 200, k: int = 96, seed: int = 0):
     """A kernel Linear of n outputs (not a multiple of its 64-column tiles) and the float64 weight it holds."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    w = lin_weight(dtype, n, k, seed)
     w64 = cpu_matmul.dequantize_int4(*cpu_matmul.int4_groups(w, 32)) if int4 else w.double()
     return cpu_matmul.Linear(w, cpu_matmul.ISAS[isa], int4), w64
+
+
+def lin_weight(dtype: torch.dtype, n: int = 200, k: int = 576, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def rows(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
@@ -32,9 +36,13 @@ def test_near_the_float64_product(isa, dtype, int4):
     assert y.dtype == dtype and y.shape == (70, 200)
     exact = x.double() @ w64.T
     # float32 accumulation: at most K roundings of the running sum (bounded by |x| |w|); then bfloat16's output
-    # rounding, half an ulp. int4 also sums x into each group's sum (|x| |min|).
+    # rounding, half an ulp. int4 rounds x to 8 bits per group of 32 (at most amax / 254 off), against (q - 8) * scale.
     bound = 576 * 2.0 ** -24 * (x.double().abs() @ w64.abs().T) * 2 + exact.abs() * (2.0 ** -8 if dtype ==
                                                                                         torch.bfloat16 else 0)
+    if int4:
+        q, scale, lo = cpu_matmul.int4_groups(lin_weight(dtype), 32)
+        centred = ((q.double().view(200, 18, 32) - 8) * scale.double()[..., None]).abs().sum(-1)  # [n, groups]
+        bound += (x.double().view(70, 18, 32).abs().amax(-1) / 254) @ centred.T
     err = (y.double() - exact).abs()
     assert (err <= bound + 1e-30).all(), (err - bound).max()
     assert err.max() > 0  # float32 sums round: equality would mean no kernel ran

@@ -69,10 +69,16 @@ def int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     return q, scale, lo
 
 
+def int4_zeros(scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The kernel's int4 form, w = (q - 8) * scale + zero (q - 8 centred, so that x's 8-bit rounding weighs less)."""
+    return lo.float() + 8 * scale.float()
+
+
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """int4_groups' weight in float64, as the kernel multiplies by it: the reference's."""
     n, k = q.shape
-    return (q.double().view(n, scale.shape[1], -1) * scale.double()[..., None] + lo.double()[..., None]).view(n, k)
+    zero = int4_zeros(scale, lo).double()[..., None]
+    return ((q.double().view(n, scale.shape[1], -1) - 8) * scale.double()[..., None] + zero).view(n, k)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -86,16 +92,17 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """int4_groups' codes, scales and mins (groups of 32) as [n / 16, k / 32, 384] bytes: per block of 16 columns
-    and group, the 16 scales, the 16 mins (float32), then per k pair the 16 columns' codes (k even: low nibble)."""
+    and group, the 16 scales, the 16 zeros (float32, int4_zeros), then per quad p < 4 the 16 columns' 4 bytes, byte i holding
+    the codes of k = 4p + i (low nibble) and 16 + 4p + i (high)."""
     n, k = q.shape
     q, scale, lo = (F.pad(t, (0, 0, 0, -n % COLUMNS)) for t in (q, scale.float(), lo.float()))
     blocks, groups = q.shape[0] // BLOCK, k // 32
-    codes = q.to(torch.uint8).view(blocks, BLOCK, groups, 16, 2)  # [block, column, group, pair, k in pair]
-    codes = (codes[..., 0] | codes[..., 1] << 4).permute(0, 2, 3, 1).reshape(blocks, groups, 256)
+    codes = q.to(torch.uint8).view(blocks, BLOCK, groups, 2, 4, 4)  # [block, column, group, half, quad, k in quad]
+    codes = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
 
     def per_group(t: torch.Tensor) -> torch.Tensor:  # [n, groups] float32 as [blocks, groups, 64] bytes
         return t.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat((per_group(scale), per_group(lo), codes), -1).contiguous()
+    return torch.cat((per_group(scale), per_group(int4_zeros(scale, lo)), codes), -1).contiguous()
 
 
 class Linear(nn.Module):

@@ -6,17 +6,21 @@
 //   streamed from k = 0 to K, N padded with zero columns to a multiple of 64:
 //     float32   [N/16][K][16]                  a column's weights 64 bytes apart
 //     bfloat16  [N/16][K/2][16][2]             a column's k pair adjacent, as vdpbf16ps reads it
-//     int4      [N/16][K/32][384 bytes]        per group of 32 inputs: 16 scales, 16 mins (float32), then
-//                                              16 k pairs x 16 columns of bytes, k even in the low nibble
+//     int4      [N/16][K/32][384 bytes]        per group of 32 inputs: 16 scales, 16 zeros (float32), then
+//                                              4 x [16 columns][4 bytes]: quad p's byte i holds k = 4p + i
+//                                              in its low nibble, k = 16 + 4p + i in its high one
 // - Registers: a tile of R rows by C column blocks of float32 accumulators (a Vec is 16 floats: one zmm, or
 //   two ymm). Per k, the C weight vectors are loaded once and each row's x[m, k] is broadcast against them;
 //   rows come ROWS at a time, the last tile with fewer. R and C change which register holds an element,
 //   never its arithmetic.
 // - Threads (at::parallel_for) split the output columns in groups of C blocks, never K, never rows.
 // - Order, for every element: float32 and bfloat16 accumulate from 0 over k = 0, 1, ..., K - 1 (bfloat16 a
-//   k pair per step: vdpbf16ps where the CPU has it, else two FMAs, k even first). int4, per group g of
-//   32 inputs: s = FMA chain of x * q over the group from 0, then acc = fma(scale, s, acc);
-//   acc = fma(min, xsum, acc), xsum being the row's sum over the group (w = q * scale + min, q in 0..15).
+//   k pair per step: vdpbf16ps where the CPU has it, else two FMAs, k even first). int4 (w = (q - 8) *
+//   scale + zero, q in 0..15) as GGUF's Q4_1 x Q8_1 dot products: each row's 32 inputs of a group become
+//   int8 codes xq = round(x * 127 / amax) and a scale dx = amax / 127 (the row's own values alone), the
+//   group's sum of (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw + vpmaddwd, on q; less 8 * the
+//   sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's
+//   float32 sum of x over the group, in k order.
 //   Float32 and int4 give the same bits on AVX2 and AVX-512.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
 //   including this file into a namespace under #pragma GCC target (avx2, avx512, avx512bf16), each defining
@@ -30,6 +34,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -53,7 +59,7 @@ inline void with_rows(int r, F&& f) {
 #pragma GCC target("avx2,fma")
 namespace avx2 {
 struct Vec { __m256 a, b; };
-constexpr int ROWS = 2, COLS = 2, COLS_INT4 = 2;  // 16 ymm registers
+constexpr int ROWS = 2, COLS = 2, COLS_INT4 = 1;  // 16 ymm registers
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec bcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -72,14 +78,29 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
   float x1 = _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(x & 0xffff0000u)));
   return fma(bcast(x1), w.odd, fma(bcast(x0), w.even, acc));
 }
-// 16 bytes of int4 codes: the 16 low nibbles and the 16 high ones as floats.
-inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
-  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-  __m256i m = _mm256_set1_epi32(15);
-  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, m)), _mm256_cvtepi32_ps(_mm256_and_si256(b, m))};
-  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+// int4: 16 int32 sums (one per column); 64 bytes of codes as their low and high nibbles (16 columns x 4 bytes).
+struct Ints { __m256i a, b; };
+inline Ints izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline void nibbles(const uint8_t* p, Ints& lo, Ints& hi) {
+  __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 32));
+  __m256i m = _mm256_set1_epi8(15);
+  lo = {_mm256_and_si256(a, m), _mm256_and_si256(b, m)};
+  hi = {_mm256_and_si256(_mm256_srli_epi16(a, 4), m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m)};
 }
+// acc += per column, the sum of its 4 codes times x's 4 int8 codes: pairs of products in int16 (at most
+// 2 * 15 * 127, no saturation), then pairs of those in int32.
+inline __m256i dot4(__m256i acc, __m256i q, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)));
+}
+inline Ints dot4(Ints acc, Ints q, int32_t x) {
+  __m256i xv = _mm256_set1_epi32(x);
+  return {dot4(acc.a, q.a, xv), dot4(acc.b, q.b, xv)};
+}
+inline Ints isub(Ints v, int32_t x) {
+  return {_mm256_sub_epi32(v.a, _mm256_set1_epi32(x)), _mm256_sub_epi32(v.b, _mm256_set1_epi32(x))};
+}
+inline Vec to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
+inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
 #undef LANESERVE_KERNELS
@@ -88,7 +109,9 @@ inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-struct Zmm { __m512 a; };  // out here, so that argument-dependent lookup finds no put() of avx512's in avx512bf16
+// Out here, so that argument-dependent lookup finds no put() or dot4() of avx512's in avx512bf16.
+struct Zmm { __m512 a; };
+struct ZmmInts { __m512i a; };
 namespace avx512 {
 using Vec = Zmm;
 constexpr int ROWS = 4, COLS = 4, COLS_INT4 = 2;  // 32 zmm registers
@@ -108,11 +131,20 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
   Vec x1{_mm512_castsi512_ps(_mm512_set1_epi32(x & 0xffff0000u))};
   return fma(x1, w.odd, fma(x0, w.even, acc));
 }
-inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
-  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))};
-  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))};
+using Ints = ZmmInts;
+inline Ints izero() { return {_mm512_setzero_si512()}; }
+inline void nibbles(const uint8_t* p, Ints& lo, Ints& hi) {
+  __m512i v = _mm512_loadu_si512(p), m = _mm512_set1_epi8(15);
+  lo = {_mm512_and_si512(v, m)};
+  hi = {_mm512_and_si512(_mm512_srli_epi16(v, 4), m)};
 }
+inline Ints dot4(Ints acc, Ints q, int32_t x) {
+  __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(q.a, _mm512_set1_epi32(x)), _mm512_set1_epi16(1));
+  return {_mm512_add_epi32(acc.a, p)};
+}
+inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
+inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
+inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
 #undef LANESERVE_KERNELS
@@ -120,10 +152,11 @@ inline void nibbles(const uint8_t* p, Vec& lo, Vec& hi) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
-namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps
-using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::nibbles;
-using avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
+namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps and int4 codes by vpdpbusd
+using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
+using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
+inline Ints dot4(Ints acc, Ints q, int32_t x) { return {_mm512_dpbusd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
 struct Pair { __m512bh w; };
 inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return {_mm512_dpbf16_ps(acc.a, w.w, (__m512bh)_mm512_set1_epi32(x))}; }
@@ -140,7 +173,8 @@ bool supported(int64_t isa) {
     case AVX512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    case AVX512BF16: return supported(AVX512) && __builtin_cpu_supports("avx512bf16");
+    case AVX512BF16:
+      return supported(AVX512) && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
     default: return false;
   }
 }
@@ -159,7 +193,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
               "linear: x's dtype ", x.scalar_type(), " does not fit the weight's");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  at::Tensor xs = kind == INT4 && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;
+  at::Tensor xs = kind == INT4 && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;  // quantized from float32
   auto run = [&](auto* out) {
     const void* w = packed.data_ptr();
     switch (isa) {
@@ -182,7 +216,7 @@ TORCH_LIBRARY(laneserve_cpu, m) {
   m.impl("supported", c10::DispatchKey::CatchAll, [](int64_t isa) { return supported(isa); });
 }
 
-#else  // kernels: begin (included per ISA, after Vec, ROWS, COLS, COLS_INT4, Pair, load_pair, dot2 and nibbles)
+#else  // kernels: begin (included per ISA, after Vec, Pair, Ints and their operations, ROWS, COLS, COLS_INT4)
 
 // The first `cols` of an accumulator into y, rounded to Out (float32, or bfloat16 to nearest even).
 template <typename Out>
@@ -229,30 +263,36 @@ void bf16_tile(const uint16_t* x, const uint16_t* w, Out* y, int64_t K, int64_t 
     for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
 }
 
-// xsum: [M, K / 32], each row's sum over each group.
+// xq: the rows' int8 codes [M, K]; dx, xsum, xqsum: per group [M, K / 32], their scales, x's sums and 8 * xq's.
 template <int R, int C, typename Out>
-void int4_tile(const float* x, const float* xsum, const uint8_t* w, Out* y, int64_t K, int64_t n, int64_t col) {
+void int4_tile(const int8_t* xq, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
+               int64_t K, int64_t n, int64_t col) {
   const int64_t G = K / 32;
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk[C];
-    Vec s[R][C];
+    Ints s[R][C];
     for (int c = 0; c < C; ++c) blk[c] = w + (c * G + g) * GROUP_BYTES;
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) s[r][c] = zero();
-    for (int p = 0; p < 16; ++p) {
-      Vec q0[C], q1[C];
-      for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 16, q0[c], q1[c]);
+      for (int c = 0; c < C; ++c) s[r][c] = izero();
+    for (int p = 0; p < 4; ++p) {
+      Ints lo[C], hi[C];
+      for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, lo[c], hi[c]);
       for (int r = 0; r < R; ++r) {
-        Vec x0 = bcast(x[r * K + g * 32 + 2 * p]), x1 = bcast(x[r * K + g * 32 + 2 * p + 1]);
-        for (int c = 0; c < C; ++c) s[r][c] = fma(x1, q1[c], fma(x0, q0[c], s[r][c]));
+        int32_t x0, x1;  // the codes of k = 4p .. 4p + 3 and 16 + 4p ..
+        std::memcpy(&x0, xq + r * K + g * 32 + 4 * p, 4);
+        std::memcpy(&x1, xq + r * K + g * 32 + 16 + 4 * p, 4);
+        for (int c = 0; c < C; ++c) s[r][c] = dot4(dot4(s[r][c], lo[c], x0), hi[c], x1);
       }
     }
     for (int c = 0; c < C; ++c) {
-      Vec scale = load(reinterpret_cast<const float*>(blk[c])), mn = load(reinterpret_cast<const float*>(blk[c] + 64));
-      for (int r = 0; r < R; ++r) acc[r][c] = fma(mn, bcast(xsum[r * G + g]), fma(scale, s[r][c], acc[r][c]));
+      Vec scale = load(reinterpret_cast<const float*>(blk[c])), zr = load(reinterpret_cast<const float*>(blk[c] + 64));
+      for (int r = 0; r < R; ++r) {
+        Vec sum = to_float(isub(s[r][c], xqsum[r * G + g]));
+        acc[r][c] = fma(zr, bcast(xsum[r * G + g]), fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]));
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -263,16 +303,24 @@ void int4_tile(const float* x, const float* xsum, const uint8_t* w, Out* y, int6
 template <typename Out>
 void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64_t K, int64_t n) {
   const int64_t blocks = (n + 63) / 64 * 4, G = K / 32;
-  std::vector<float> xsum(kind == INT4 ? M * G : 0);
-  if (kind == INT4) {
+  std::vector<float> dx(kind == INT4 ? M * G : 0), xsum(dx.size());
+  std::vector<int32_t> xqsum(dx.size());
+  std::vector<int8_t> xq(kind == INT4 ? M * K : 0);
+  if (kind == INT4) {  // each row's groups quantized to int8, from their own values alone
     const float* xf = static_cast<const float*>(x);
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m)
-        for (int64_t g = 0; g < G; ++g) {
-          float s = 0;
-          for (int k = 0; k < 32; ++k) s += xf[m * K + g * 32 + k];
-          xsum[m * G + g] = s;
+    at::parallel_for(0, M * G, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const float* v = xf + i * 32;
+        float amax = 0, sum = 0;
+        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k])), sum += v[k];
+        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+        int32_t qsum = 0;
+        for (int k = 0; k < 32; ++k) {
+          xq[i * 32 + k] = (int8_t)std::nearbyint(std::min(127.0f, std::max(-127.0f, v[k] * inv)));
+          qsum += xq[i * 32 + k];
         }
+        dx[i] = amax / 127.0f, xsum[i] = sum, xqsum[i] = 8 * qsum;
+      }
     });
   }
   const int64_t C = kind == INT4 ? COLS_INT4 : COLS;
@@ -288,7 +336,7 @@ void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64
             bf16_tile<R.value, COLS>(static_cast<const uint16_t*>(x) + m * K,
                                      static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K, n, col);
           else
-            int4_tile<R.value, COLS_INT4>(static_cast<const float*>(x) + m * K, xsum.data() + m * G,
+            int4_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,
                                           static_cast<const uint8_t*>(w) + col * G * GROUP_BYTES, y + m * n, K, n, col);
         });
   });
