@@ -16,11 +16,11 @@
 // - Threads (at::parallel_for) split the output columns in groups of C blocks, never K, never rows.
 // - Order, for every element: float32 and bfloat16 accumulate from 0 over k = 0, 1, ..., K - 1 (bfloat16 a
 //   k pair per step: vdpbf16ps where the CPU has it, else two FMAs, k even first). int4 (w = (q - 8) *
-//   scale + zero, q in 0..15) as GGUF's Q4_1 x Q8_1 dot products: each row's 32 inputs of a group become
-//   int8 codes xq = round(x * 127 / amax) and a scale dx = amax / 127 (the row's own values alone), the
-//   group's sum of (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw + vpmaddwd, on q; less 8 * the
-//   sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's
-//   float32 sum of x over the group, in k order.
+//   scale + zero, q in 0..15) by integer dot products: each row's 32 inputs of a group become int16 codes
+//   xq = round(x * 32767 / amax) and a scale dx = amax / 32767 (the row's own values alone; 8-bit codes, as
+//   llama.cpp's Q8_1, moved logprobs by 0.1), the group's sum of (q - 8) * xq is exact in int32 (vpmaddwd
+//   or vpdpwssd on word pairs of q, less 8 * the sum of xq), then acc = fma(scale * dx, sum, acc);
+//   acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the group, in k order.
 //   Float32 and int4 give the same bits on AVX2 and AVX-512.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
 //   including this file into a namespace under #pragma GCC target (avx2, avx512, avx512bf16), each defining
@@ -78,23 +78,19 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
   float x1 = _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(x & 0xffff0000u)));
   return fma(bcast(x1), w.odd, fma(bcast(x0), w.even, acc));
 }
-// int4: 16 int32 sums (one per column); 64 bytes of codes as their low and high nibbles (16 columns x 4 bytes).
+// int4: 16 int32 sums (one per column). 64 bytes of codes (16 columns x 4 bytes) as 4 vectors of word pairs:
+// a column's bytes b0..b3 give the pairs (b0, b2) and (b1, b3) of their low nibbles, then of their high ones.
 struct Ints { __m256i a, b; };
 inline Ints izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline void nibbles(const uint8_t* p, Ints& lo, Ints& hi) {
+inline __m256i pick(__m256i v, int shift) { return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x000f000f)); }
+inline void nibbles(const uint8_t* p, Ints q[4]) {
   __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 32));
-  __m256i m = _mm256_set1_epi8(15);
-  lo = {_mm256_and_si256(a, m), _mm256_and_si256(b, m)};
-  hi = {_mm256_and_si256(_mm256_srli_epi16(a, 4), m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m)};
+  for (int i = 0; i < 4; ++i) q[i] = {pick(a, (i & 1) * 8 + (i >> 1) * 4), pick(b, (i & 1) * 8 + (i >> 1) * 4)};
 }
-// acc += per column, the sum of its 4 codes times x's 4 int8 codes: pairs of products in int16 (at most
-// 2 * 15 * 127, no saturation), then pairs of those in int32.
-inline __m256i dot4(__m256i acc, __m256i q, __m256i x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)));
-}
-inline Ints dot4(Ints acc, Ints q, int32_t x) {
+// acc += per column, its word pair of codes times x's pair of int16 codes (vpmaddwd: exact in int32).
+inline Ints dot2i(Ints acc, Ints q, int32_t x) {
   __m256i xv = _mm256_set1_epi32(x);
-  return {dot4(acc.a, q.a, xv), dot4(acc.b, q.b, xv)};
+  return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(q.a, xv)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(q.b, xv))};
 }
 inline Ints isub(Ints v, int32_t x) {
   return {_mm256_sub_epi32(v.a, _mm256_set1_epi32(x)), _mm256_sub_epi32(v.b, _mm256_set1_epi32(x))};
@@ -109,7 +105,7 @@ inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-// Out here, so that argument-dependent lookup finds no put() or dot4() of avx512's in avx512bf16.
+// Out here, so that argument-dependent lookup finds no put() or dot2i() of avx512's in avx512bf16.
 struct Zmm { __m512 a; };
 struct ZmmInts { __m512i a; };
 namespace avx512 {
@@ -133,15 +129,12 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
 }
 using Ints = ZmmInts;
 inline Ints izero() { return {_mm512_setzero_si512()}; }
-inline void nibbles(const uint8_t* p, Ints& lo, Ints& hi) {
-  __m512i v = _mm512_loadu_si512(p), m = _mm512_set1_epi8(15);
-  lo = {_mm512_and_si512(v, m)};
-  hi = {_mm512_and_si512(_mm512_srli_epi16(v, 4), m)};
+inline __m512i pick(__m512i v, int shift) { return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x000f000f)); }
+inline void nibbles(const uint8_t* p, Ints q[4]) {
+  __m512i v = _mm512_loadu_si512(p);
+  for (int i = 0; i < 4; ++i) q[i] = {pick(v, (i & 1) * 8 + (i >> 1) * 4)};
 }
-inline Ints dot4(Ints acc, Ints q, int32_t x) {
-  __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(q.a, _mm512_set1_epi32(x)), _mm512_set1_epi16(1));
-  return {_mm512_add_epi32(acc.a, p)};
-}
+inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(q.a, _mm512_set1_epi32(x)))}; }
 inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
 inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
@@ -153,10 +146,10 @@ inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
-namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps and int4 codes by vpdpbusd
+namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps and int4 codes by vpdpwssd
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
 using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
-inline Ints dot4(Ints acc, Ints q, int32_t x) { return {_mm512_dpbusd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
+inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_dpwssd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
 struct Pair { __m512bh w; };
 inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return {_mm512_dpbf16_ps(acc.a, w.w, (__m512bh)_mm512_set1_epi32(x))}; }
@@ -263,9 +256,9 @@ void bf16_tile(const uint16_t* x, const uint16_t* w, Out* y, int64_t K, int64_t 
     for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
 }
 
-// xq: the rows' int8 codes [M, K]; dx, xsum, xqsum: per group [M, K / 32], their scales, x's sums and 8 * xq's.
+// xq: the rows' int16 codes [M, K]; dx, xsum, xqsum: per group [M, K / 32], their scales, x's sums and 8 * xq's.
 template <int R, int C, typename Out>
-void int4_tile(const int8_t* xq, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
+void int4_tile(const int16_t* xq, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
                int64_t K, int64_t n, int64_t col) {
   const int64_t G = K / 32;
   Vec acc[R][C];
@@ -278,13 +271,17 @@ void int4_tile(const int8_t* xq, const float* dx, const float* xsum, const int32
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) s[r][c] = izero();
     for (int p = 0; p < 4; ++p) {
-      Ints lo[C], hi[C];
-      for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, lo[c], hi[c]);
+      Ints q[C][4];
+      for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, q[c]);
       for (int r = 0; r < R; ++r) {
-        int32_t x0, x1;  // the codes of k = 4p .. 4p + 3 and 16 + 4p ..
-        std::memcpy(&x0, xq + r * K + g * 32 + 4 * p, 4);
-        std::memcpy(&x1, xq + r * K + g * 32 + 16 + 4 * p, 4);
-        for (int c = 0; c < C; ++c) s[r][c] = dot4(dot4(s[r][c], lo[c], x0), hi[c], x1);
+        const int16_t* xr = xq + r * K + g * 32 + 4 * p;  // the pairs of k (4p, 4p + 2), (4p + 1, 4p + 3), +16
+        int32_t x[4];
+        for (int i = 0; i < 4; ++i) {
+          const int k = (i >> 1) * 16 + (i & 1);
+          x[i] = (int32_t)((uint32_t)(uint16_t)xr[k] | (uint32_t)(uint16_t)xr[k + 2] << 16);
+        }
+        for (int c = 0; c < C; ++c)
+          for (int i = 0; i < 4; ++i) s[r][c] = dot2i(s[r][c], q[c][i], x[i]);
       }
     }
     for (int c = 0; c < C; ++c) {
@@ -305,21 +302,21 @@ void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64
   const int64_t blocks = (n + 63) / 64 * 4, G = K / 32;
   std::vector<float> dx(kind == INT4 ? M * G : 0), xsum(dx.size());
   std::vector<int32_t> xqsum(dx.size());
-  std::vector<int8_t> xq(kind == INT4 ? M * K : 0);
+  std::vector<int16_t> xq(kind == INT4 ? M * K : 0);
   if (kind == INT4) {  // each row's groups quantized to int8, from their own values alone
     const float* xf = static_cast<const float*>(x);
-    at::parallel_for(0, M * G, 64, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, M * G, 4096, [&](int64_t b, int64_t e) {  // a decode step's few groups: no threads
       for (int64_t i = b; i < e; ++i) {
         const float* v = xf + i * 32;
         float amax = 0, sum = 0;
         for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k])), sum += v[k];
-        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+        const float inv = amax > 0 ? 32767.0f / amax : 0.0f;
         int32_t qsum = 0;
         for (int k = 0; k < 32; ++k) {
-          xq[i * 32 + k] = (int8_t)std::nearbyint(std::min(127.0f, std::max(-127.0f, v[k] * inv)));
+          xq[i * 32 + k] = (int16_t)std::nearbyint(std::min(32767.0f, std::max(-32767.0f, v[k] * inv)));
           qsum += xq[i * 32 + k];
         }
-        dx[i] = amax / 127.0f, xsum[i] = sum, xqsum[i] = 8 * qsum;
+        dx[i] = amax / 32767.0f, xsum[i] = sum, xqsum[i] = 8 * qsum;
       }
     });
   }
