@@ -1,6 +1,7 @@
 """The CPU matmul kernel (cpu_matmul) against oneDNN (cpu.PackedLinear; float32/bfloat16) and torch's int4 kernel
 (cpu.Int4Linear) on SmolLM2-135M's linear layers, at a few row counts: milliseconds per pass over all the
-layer shapes of one decoder block plus a 30th of the LM head, the fastest of a few passes. Usage: python bench_cpu_matmul.py [--rows 1 64 512]"""
+layer shapes of one decoder block plus a 30th of the LM head, the fastest of a few passes.
+Usage: python bench_cpu_matmul.py [--rows 1 64 512]"""
 import argparse
 import time
 

@@ -92,8 +92,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """int4_groups' codes, scales and mins (groups of 32) as [n / 16, k / 32, 384] bytes: per block of 16 columns
-    and group, the 16 scales, the 16 zeros (float32, int4_zeros), then per quad p < 4 the 16 columns' 4 bytes, byte i holding
-    the codes of k = 4p + i (low nibble) and 16 + 4p + i (high)."""
+    and group, the 16 scales, the 16 zeros (float32, int4_zeros), then per quad p < 4 the 16 columns' 4 bytes,
+    byte i holding the codes of k = 4p + i (low nibble) and 16 + 4p + i (high)."""
     n, k = q.shape
     q, scale, lo = (F.pad(t, (0, 0, 0, -n % COLUMNS)) for t in (q, scale.float(), lo.float()))
     blocks, groups = q.shape[0] // BLOCK, k // 32

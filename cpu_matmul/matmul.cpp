@@ -82,7 +82,9 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
 // a column's bytes b0..b3 give the pairs (b0, b2) and (b1, b3) of their low nibbles, then of their high ones.
 struct Ints { __m256i a, b; };
 inline Ints izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline __m256i pick(__m256i v, int shift) { return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x000f000f)); }
+inline __m256i pick(__m256i v, int shift) {
+  return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x000f000f));
+}
 inline void nibbles(const uint8_t* p, Ints q[4]) {
   __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 32));
   for (int i = 0; i < 4; ++i) q[i] = {pick(a, (i & 1) * 8 + (i >> 1) * 4), pick(b, (i & 1) * 8 + (i >> 1) * 4)};
@@ -129,12 +131,16 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
 }
 using Ints = ZmmInts;
 inline Ints izero() { return {_mm512_setzero_si512()}; }
-inline __m512i pick(__m512i v, int shift) { return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x000f000f)); }
+inline __m512i pick(__m512i v, int shift) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x000f000f));
+}
 inline void nibbles(const uint8_t* p, Ints q[4]) {
   __m512i v = _mm512_loadu_si512(p);
   for (int i = 0; i < 4; ++i) q[i] = {pick(v, (i & 1) * 8 + (i >> 1) * 4)};
 }
-inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(q.a, _mm512_set1_epi32(x)))}; }
+inline Ints dot2i(Ints acc, Ints q, int32_t x) {
+  return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(q.a, _mm512_set1_epi32(x)))};
+}
 inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
 inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
@@ -148,7 +154,8 @@ inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
 namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps and int4 codes by vpdpwssd
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
+using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float;
+using avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
 inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_dpwssd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
 struct Pair { __m512bh w; };
 inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
@@ -174,13 +181,15 @@ bool supported(int64_t isa) {
 
 // x [M, K] (float32, or bfloat16 for bfloat16 weights; int4 takes either) by the packed weight: [M, n] in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t n, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "linear: x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "linear: x must be a contiguous 2-D CPU tensor");
   TORCH_CHECK(packed.is_contiguous() && packed.device().is_cpu(), "linear: packed weight must be contiguous, on CPU");
   TORCH_CHECK(supported(isa), "linear: instruction set ", isa, " is not supported by this CPU");
   const int64_t M = x.size(0), K = x.size(1), N64 = (n + 63) / 64 * 64;
   const int64_t want = kind == F32 ? N64 * K * 4 : kind == BF16 ? N64 * K * 2 : N64 / 16 * (K / 32) * GROUP_BYTES;
   TORCH_CHECK(packed.nbytes() == (size_t)want && (kind != BF16 || K % 2 == 0) && (kind != INT4 || K % 32 == 0),
-              "linear: packed weight of ", packed.nbytes(), " bytes does not fit x's ", K, " inputs and ", n, " outputs");
+              "linear: packed weight of ", packed.nbytes(), " bytes does not fit x's ", K, " inputs and ", n,
+              " outputs");
   TORCH_CHECK(kind == INT4 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
                            : x.scalar_type() == (kind == F32 ? at::kFloat : at::kBFloat16),
               "linear: x's dtype ", x.scalar_type(), " does not fit the weight's");
@@ -333,7 +342,8 @@ void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64
             bf16_tile<R.value, COLS>(static_cast<const uint16_t*>(x) + m * K,
                                      static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K, n, col);
           else
-            int4_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,
+            int4_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G,
+                                          xqsum.data() + m * G,
                                           static_cast<const uint8_t*>(w) + col * G * GROUP_BYTES, y + m * n, K, n, col);
         });
   });
