@@ -101,7 +101,8 @@ class FusedRMSNorm(nn.Module):
 
 
 class TiledLinear(nn.Module):
-    """A linear layer run `tile` rows at a time, the last tile padded with zero rows: the matmul library sees
+    """Where cpu_matmul's kernel is not used (it did not build, no ISA fits, or LANESERVE_CPU_MATMUL=off):
+    a linear layer run `tile` rows at a time, the last tile padded with zero rows: the matmul library sees
     one shape whatever the batch. Libraries pick their kernel by shape (a lone row takes a matrix-vector path;
     oneDNN's bfloat16 changes kernel with the row count), and kernels sum in different orders, so without tiles
     a row's bits would follow its batch. One shape, one kernel: a blocked matmul computes every row the same way."""
