@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention_cuda
+import cpu_matmul
 from model import BatchMeta, Transformer
 
 INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blocks
@@ -49,9 +50,14 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
     packs = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or dtype == torch.bfloat16 and (
         {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags))
 
-    def tiled(linear: nn.Linear) -> TiledLinear:
+    isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None
+
+    def tiled(linear: nn.Linear) -> nn.Module:
         # int4 for the layers only: GGUF files keep the LM head at 8 bits, so do we.
-        if quantization == "int4" and linear is not model.lm_head:
+        int4 = quantization == "int4" and linear is not model.lm_head
+        if isa:  # our kernel computes a row alike in any batch: no tiles
+            return cpu_matmul.Linear(linear.weight, isa, int4)
+        if int4:
             return TiledLinear(Int4Linear(linear.weight), tile)
         return TiledLinear(PackedLinear(linear.weight, tile) if packs else linear, tile)
     _replace(model, nn.Linear, tiled)
@@ -95,7 +101,8 @@ class FusedRMSNorm(nn.Module):
 
 
 class TiledLinear(nn.Module):
-    """A linear layer run `tile` rows at a time, the last tile padded with zero rows: the matmul library sees
+    """Where cpu_matmul's kernel is not used (it did not build, no ISA fits, or LANESERVE_CPU_MATMUL=off):
+    a linear layer run `tile` rows at a time, the last tile padded with zero rows: the matmul library sees
     one shape whatever the batch. Libraries pick their kernel by shape (a lone row takes a matrix-vector path;
     oneDNN's bfloat16 changes kernel with the row count), and kernels sum in different orders, so without tiles
     a row's bits would follow its batch. One shape, one kernel: a blocked matmul computes every row the same way."""
@@ -126,15 +133,8 @@ class PackedLinear(nn.Module):
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A [n, k] weight in 4 bits, w = (q - 8) * scale + zero, one scale and zero per INT4_GROUP inputs: codes packed
     for torch's 4-bit CPU matmul ([n, k / 2] uint8), scales and zeros as [k / INT4_GROUP, n, 2] in w's dtype.
-    Round-to-nearest, asymmetric, as GGUF's Q4_1 (each group's min and max become q = 0 and 15), so a Q4_1 checkpoint's
-    dequantized weights give back its codes, scales and mins (up to the scales' rounding to the activations' dtype)."""
-    n, k = w.shape
-    if k % INT4_GROUP:
-        raise ValueError(f"int4 quantization needs matmul input sizes divisible by {INT4_GROUP}, got {k}")
-    g = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-10)  # clamped: a constant group must not divide by 0
-    q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
+    The codes of cpu_matmul.int4_groups (GGUF's Q4_1), the scales rounded to the activations' dtype."""
+    q, scale, lo = cpu_matmul.int4_groups(w, INT4_GROUP)
     scales_zeros = torch.stack((scale, lo + 8 * scale), -1).transpose(0, 1).contiguous().to(w.dtype)
     return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
 

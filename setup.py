@@ -33,8 +33,8 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     py_modules=MODULES,
-    packages=["attention_cuda"],
-    package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"]},
+    packages=["attention_cuda", "cpu_matmul"],
+    package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"], "cpu_matmul": ["*.cpp"]},
     data_files=[("share/laneserve", ["page.html"])],  # serve.py looks there when it is not beside it
     install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2", "tokenizers"],
     extras_require={"test": ["pytest", "transformers", "accelerate", "openai", "hypothesis", "selenium"]},

@@ -10,6 +10,7 @@ from collections import defaultdict
 import pytest
 
 import cpu
+import cpu_matmul
 import weights
 from engine import LLM, SamplingParams
 from model import ModelConfig
@@ -117,10 +118,21 @@ def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixe
         assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
-def test_lanes_in_an_engine_of_few_sequences(smollm2_shapes, shared_prefixes, mode):
-    # max_num_seqs 4: matmuls run 16 rows at a time (cpu.row_tile), so a 64-token budget's prefill
-    # chunks take several tiles beside the decodes.
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "int4"])
+@pytest.mark.parametrize("matmul", ["", "avx2", "off"])
+def test_lanes_in_an_engine_of_few_sequences(smollm2_shapes, shared_prefixes, mode, matmul, monkeypatch):
+    # The CPU matmul kernel (cpu_matmul; "": the best ISA here, or AVX2 forced) computes a row alike in any
+    # batch, so max_num_seqs does not change a lane's bits. Off, the fallback: with max_num_seqs 4 matmuls run 16
+    # rows at a time (cpu.row_tile), so a 64-token budget's prefill chunks take several tiles beside the decodes.
+    if matmul not in ("", "off") and not cpu_matmul.supported(matmul):
+        pytest.skip(f"this CPU has no {matmul}")
+    monkeypatch.setenv("LANESERVE_CPU_MATMUL", matmul)
     llm = engine(smollm2_shapes, mode, max_num_seqs=4, max_num_batched_tokens=64)
-    assert {m.tile for m in llm.runner.model.modules() if isinstance(m, cpu.TiledLinear)} == {16}
-    assert run(llm, shared_prefixes) == alone(llm, shared_prefixes)
+    kernels = [m for m in llm.runner.model.modules() if isinstance(m, cpu_matmul.Linear)]
+    if matmul == "off":
+        assert not kernels and {m.tile for m in llm.runner.model.modules() if isinstance(m, cpu.TiledLinear)} == {16}
+        assert run(llm, shared_prefixes) == alone(llm, shared_prefixes)
+    else:
+        assert {m.isa for m in kernels} == {cpu_matmul.isa()} and len(kernels) == 2 * 4 + 1  # 2 layers of 4, LM head
+        assert run(llm, shared_prefixes) == alone(engine(smollm2_shapes, mode, max_num_batched_tokens=512),
+                                                  shared_prefixes)

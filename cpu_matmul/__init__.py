@@ -1,0 +1,130 @@
+"""Batch-invariant CPU matmul: y = x Wᵀ by our kernel (matmul.cpp), each row's result the same bits whatever else
+the batch holds and however many threads run it, so that cpu.py needs no row tiles where it is used: one row is a
+matrix-vector product streaming the weights once. float32 and bfloat16 weights, and the int4 groups of
+--quantization int4 (GGUF's Q4_1: w = q * scale + min). Built with torch.utils.cpp_extension on first use, as
+attention_cuda is; where it does not build, or the CPU has none of its instruction sets, isa() is None and cpu.py
+keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2, avx512 or avx512_bf16; unset, the best
+this CPU has."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ISAS = {"avx2": 1, "avx512": 2, "avx512_bf16": 3}  # matmul.cpp's Isa
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # matmul.cpp's Kind, with INT4
+INT4 = 2
+COLUMNS = 64  # outputs padded to a multiple of this: a register tile's width
+BLOCK = 16  # output columns per packed block
+_built: bool | None = None
+
+
+def _load() -> bool:
+    """Build (once per source and flags; ninja, into torch's extension cache) and load the kernel."""
+    global _built
+    if _built is None:
+        try:
+            from torch.utils.cpp_extension import load
+            load("laneserve_cpu_matmul", [os.path.join(os.path.dirname(os.path.abspath(__file__)), "matmul.cpp")],
+                 extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False)
+            _built = True
+        except Exception as e:  # no compiler, no ninja, ...: the tiles serve
+            warnings.warn(f"cpu_matmul: could not build the CPU matmul kernel, using row tiles ({type(e).__name__}: "
+                          f"{e})")
+            _built = False
+    return _built
+
+
+def supported(name: str) -> bool:
+    return _load() and torch.ops.laneserve_cpu.supported(ISAS[name])
+
+
+def isa() -> int | None:
+    """The instruction set the kernel runs with (an ISAS value), or None: cpu.py's tiles."""
+    choice = os.environ.get("LANESERVE_CPU_MATMUL", "")
+    if choice == "off":
+        return None
+    if choice:
+        if choice not in ISAS or not supported(choice):
+            raise ValueError(f"LANESERVE_CPU_MATMUL={choice}: this CPU runs "
+                             f"{[n for n in ISAS if supported(n)] + ['off']}")
+        return ISAS[choice]
+    return next((ISAS[n] for n in reversed(ISAS) if supported(n)), None)
+
+
+def int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [n, k] weight as 4-bit codes q ([n, k] int32, 0..15), and per `group` inputs a scale and a min ([n, k /
+    group] float32), w ≈ q * scale + min. Round-to-nearest, asymmetric, as GGUF's Q4_1: each group's min and max
+    become q = 0 and 15, so a Q4_1 checkpoint's dequantized weights give back its codes, scales and mins."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 quantization needs matmul input sizes divisible by {group}, got {k}")
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-10)  # clamped: a constant group must not divide by 0
+    q = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.int32).view(n, k)
+    return q, scale, lo
+
+
+def int4_zeros(scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The kernel's int4 form, w = (q - 8) * scale + zero (q - 8 centred, so that x's 8-bit rounding weighs less)."""
+    return lo.float() + 8 * scale.float()
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """int4_groups' weight in float64, as the kernel multiplies by it: the reference's."""
+    n, k = q.shape
+    zero = int4_zeros(scale, lo).double()[..., None]
+    return ((q.double().view(n, scale.shape[1], -1) - 8) * scale.double()[..., None] + zero).view(n, k)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A float32 or bfloat16 [n, k] weight in matmul.cpp's layout: [n / 16, k, 16], bfloat16 [n / 16, k / 2, 16, 2]."""
+    n, k = w.shape
+    w = F.pad(w, (0, 0, 0, -n % COLUMNS))
+    if w.dtype == torch.float32:
+        return w.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+    return w.view(-1, BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """int4_groups' codes, scales and mins (groups of 32) as [n / 16, k / 32, 384] bytes: per block of 16 columns
+    and group, the 16 scales, the 16 zeros (float32, int4_zeros), then per quad p < 4 the 16 columns' 4 bytes,
+    byte i holding the codes of k = 4p + i (low nibble) and 16 + 4p + i (high)."""
+    n, k = q.shape
+    q, scale, lo = (F.pad(t, (0, 0, 0, -n % COLUMNS)) for t in (q, scale.float(), lo.float()))
+    blocks, groups = q.shape[0] // BLOCK, k // 32
+    codes = q.to(torch.uint8).view(blocks, BLOCK, groups, 2, 4, 4)  # [block, column, group, half, quad, k in quad]
+    codes = (codes[:, :, :, 0] | codes[:, :, :, 1] << 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [n, groups] float32 as [blocks, groups, 64] bytes
+        return t.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat((per_group(scale), per_group(int4_zeros(scale, lo)), codes), -1).contiguous()
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer by the kernel, its weight packed once. int4: the weight quantized in groups of 32
+    (int4_groups), computed against activations in float32. isa: an ISAS value the CPU supports."""
+
+    def __init__(self, weight: torch.Tensor, isa: int, int4: bool = False):
+        super().__init__()
+        if weight.dtype not in KINDS:
+            raise ValueError(f"cpu_matmul.Linear: float32 or bfloat16 weights, got {weight.dtype}")
+        if not any(v == isa and supported(n) for n, v in ISAS.items()):
+            raise ValueError(f"cpu_matmul.Linear: instruction set {isa} unavailable here")
+        self.n, self.k, self.isa = weight.shape[0], weight.shape[1], isa
+        self.kind = INT4 if int4 else KINDS[weight.dtype]
+        packed = pack_int4(*int4_groups(weight.detach(), 32)) if int4 else pack(weight.detach())
+        self.register_buffer("packed", packed, persistent=False)
+        self.op = torch.ops.laneserve_cpu.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.k:
+            raise ValueError(f"cpu_matmul.Linear: input of {x.shape[-1]} features does not fit {self.k}")
+        if x.dim() == 2:  # the model's case: no reshaping (this runs 4 times a layer in every step)
+            return self.op(x.contiguous(), self.packed, self.kind, self.n, self.isa)
+        return self.op(x.reshape(-1, self.k).contiguous(), self.packed, self.kind, self.n, self.isa).view(
+            *x.shape[:-1], self.n)

@@ -1,0 +1,352 @@
+// Batch-invariant CPU matmul, y[m, n] = sum_k x[m, k] * w[n, k], registered as torch.ops.laneserve_cpu.linear.
+// A row's result is the same bits whatever the number of rows, the row's place among them and the thread count,
+// because the order of additions of every output element is fixed by construction:
+//
+// - Weights are packed once (cpu_matmul/__init__.py, pack_*) in blocks of 16 output columns, each block
+//   streamed from k = 0 to K, N padded with zero columns to a multiple of 64:
+//     float32   [N/16][K][16]                  a column's weights 64 bytes apart
+//     bfloat16  [N/16][K/2][16][2]             a column's k pair adjacent, as vdpbf16ps reads it
+//     int4      [N/16][K/32][384 bytes]        per group of 32 inputs: 16 scales, 16 zeros (float32), then
+//                                              4 x [16 columns][4 bytes]: quad p's byte i holds k = 4p + i
+//                                              in its low nibble, k = 16 + 4p + i in its high one
+// - Registers: a tile of R rows by C column blocks of float32 accumulators (a Vec is 16 floats: one zmm, or
+//   two ymm). Per k, the C weight vectors are loaded once and each row's x[m, k] is broadcast against them;
+//   rows come ROWS at a time, the last tile with fewer. R and C change which register holds an element,
+//   never its arithmetic.
+// - Threads (at::parallel_for) split the output columns in groups of C blocks, never K, never rows.
+// - Order, for every element: float32 and bfloat16 accumulate from 0 over k = 0, 1, ..., K - 1 (bfloat16 a
+//   k pair per step: vdpbf16ps where the CPU has it, else two FMAs, k even first). int4 (w = (q - 8) *
+//   scale + zero, q in 0..15) by integer dot products: each row's 32 inputs of a group become int16 codes
+//   xq = round(x * 32767 / amax) and a scale dx = amax / 32767 (the row's own values alone; 8-bit codes, as
+//   llama.cpp's Q8_1, moved logprobs by 0.1), the group's sum of (q - 8) * xq is exact in int32 (vpmaddwd
+//   or vpdpwssd on word pairs of q, less 8 * the sum of xq), then acc = fma(scale * dx, sum, acc);
+//   acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the group, in k order.
+//   Float32 and int4 give the same bits on AVX2 and AVX-512.
+// - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
+//   including this file into a namespace under #pragma GCC target (avx2, avx512, avx512bf16), each defining
+//   Vec and its operations first; linear() calls the one Python chose (isa), which supported() vouches for.
+#ifndef LANESERVE_KERNELS
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { F32 = 0, BF16 = 1, INT4 = 2 };
+enum Isa : int64_t { AVX2 = 1, AVX512 = 2, AVX512BF16 = 3 };
+constexpr int64_t GROUP_BYTES = 384;  // an int4 block's group: 64 bytes of scales, 64 of mins, 256 of codes
+
+// Calls f(std::integral_constant<int, r>) for 1 <= r <= R: a tile's row count as a compile-time constant.
+template <int R, typename F>
+inline void with_rows(int r, F&& f) {
+  if constexpr (R > 1) {
+    if (r < R) return with_rows<R - 1>(r, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+struct Vec { __m256 a, b; };
+constexpr int ROWS = 2, COLS = 2, COLS_INT4 = 1;  // 16 ymm registers
+inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec bcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+inline Vec fma(Vec x, Vec y, Vec acc) { return {_mm256_fmadd_ps(x.a, y.a, acc.a), _mm256_fmadd_ps(x.b, y.b, acc.b)}; }
+// bfloat16 k pairs of 16 columns: a bfloat16 is the top half of a float32, so k even is the pair shifted left.
+struct Pair { Vec even, odd; };
+inline __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536))); }
+inline Pair load_pair(const uint16_t* p) {
+  __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 16));
+  return {{even(a), even(b)}, {odd(a), odd(b)}};
+}
+inline Vec dot2(Pair w, uint32_t x, Vec acc) {
+  float x0 = _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(x << 16)));
+  float x1 = _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(x & 0xffff0000u)));
+  return fma(bcast(x1), w.odd, fma(bcast(x0), w.even, acc));
+}
+// int4: 16 int32 sums (one per column). 64 bytes of codes (16 columns x 4 bytes) as 4 vectors of word pairs:
+// a column's bytes b0..b3 give the pairs (b0, b2) and (b1, b3) of their low nibbles, then of their high ones.
+struct Ints { __m256i a, b; };
+inline Ints izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline __m256i pick(__m256i v, int shift) {
+  return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x000f000f));
+}
+inline void nibbles(const uint8_t* p, Ints q[4]) {
+  __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 32));
+  for (int i = 0; i < 4; ++i) q[i] = {pick(a, (i & 1) * 8 + (i >> 1) * 4), pick(b, (i & 1) * 8 + (i >> 1) * 4)};
+}
+// acc += per column, its word pair of codes times x's pair of int16 codes (vpmaddwd: exact in int32).
+inline Ints dot2i(Ints acc, Ints q, int32_t x) {
+  __m256i xv = _mm256_set1_epi32(x);
+  return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(q.a, xv)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(q.b, xv))};
+}
+inline Ints isub(Ints v, int32_t x) {
+  return {_mm256_sub_epi32(v.a, _mm256_set1_epi32(x)), _mm256_sub_epi32(v.b, _mm256_set1_epi32(x))};
+}
+inline Vec to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
+inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+#define LANESERVE_KERNELS
+#include "matmul.cpp"
+#undef LANESERVE_KERNELS
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+// Out here, so that argument-dependent lookup finds no put() or dot2i() of avx512's in avx512bf16.
+struct Zmm { __m512 a; };
+struct ZmmInts { __m512i a; };
+namespace avx512 {
+using Vec = Zmm;
+constexpr int ROWS = 4, COLS = 4, COLS_INT4 = 2;  // 32 zmm registers
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec bcast(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v.a); }
+inline Vec fma(Vec x, Vec y, Vec acc) { return {_mm512_fmadd_ps(x.a, y.a, acc.a)}; }
+struct Pair { Vec even, odd; };
+inline Pair load_pair(const uint16_t* p) {
+  __m512i v = _mm512_loadu_si512(p);
+  return {{_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))},
+          {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)))}};
+}
+inline Vec dot2(Pair w, uint32_t x, Vec acc) {
+  Vec x0{_mm512_castsi512_ps(_mm512_set1_epi32(x << 16))};
+  Vec x1{_mm512_castsi512_ps(_mm512_set1_epi32(x & 0xffff0000u))};
+  return fma(x1, w.odd, fma(x0, w.even, acc));
+}
+using Ints = ZmmInts;
+inline Ints izero() { return {_mm512_setzero_si512()}; }
+inline __m512i pick(__m512i v, int shift) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x000f000f));
+}
+inline void nibbles(const uint8_t* p, Ints q[4]) {
+  __m512i v = _mm512_loadu_si512(p);
+  for (int i = 0; i < 4; ++i) q[i] = {pick(v, (i & 1) * 8 + (i >> 1) * 4)};
+}
+inline Ints dot2i(Ints acc, Ints q, int32_t x) {
+  return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(q.a, _mm512_set1_epi32(x)))};
+}
+inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
+inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
+inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
+#define LANESERVE_KERNELS
+#include "matmul.cpp"
+#undef LANESERVE_KERNELS
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
+namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps and int4 codes by vpdpwssd
+using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
+using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float;
+using avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
+inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_dpwssd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
+struct Pair { __m512bh w; };
+inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+inline Vec dot2(Pair w, uint32_t x, Vec acc) { return {_mm512_dpbf16_ps(acc.a, w.w, (__m512bh)_mm512_set1_epi32(x))}; }
+#define LANESERVE_KERNELS
+#include "matmul.cpp"
+#undef LANESERVE_KERNELS
+}  // namespace avx512bf16
+#pragma GCC pop_options
+
+bool supported(int64_t isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case AVX512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case AVX512BF16:
+      return supported(AVX512) && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+    default: return false;
+  }
+}
+
+// x [M, K] (float32, or bfloat16 for bfloat16 weights; int4 takes either) by the packed weight: [M, n] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t n, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "linear: x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(packed.is_contiguous() && packed.device().is_cpu(), "linear: packed weight must be contiguous, on CPU");
+  TORCH_CHECK(supported(isa), "linear: instruction set ", isa, " is not supported by this CPU");
+  const int64_t M = x.size(0), K = x.size(1), N64 = (n + 63) / 64 * 64;
+  const int64_t want = kind == F32 ? N64 * K * 4 : kind == BF16 ? N64 * K * 2 : N64 / 16 * (K / 32) * GROUP_BYTES;
+  TORCH_CHECK(packed.nbytes() == (size_t)want && (kind != BF16 || K % 2 == 0) && (kind != INT4 || K % 32 == 0),
+              "linear: packed weight of ", packed.nbytes(), " bytes does not fit x's ", K, " inputs and ", n,
+              " outputs");
+  TORCH_CHECK(kind == INT4 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
+                           : x.scalar_type() == (kind == F32 ? at::kFloat : at::kBFloat16),
+              "linear: x's dtype ", x.scalar_type(), " does not fit the weight's");
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  at::Tensor xs = kind == INT4 && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;  // quantized from float32
+  auto run = [&](auto* out) {
+    const void* w = packed.data_ptr();
+    switch (isa) {
+      case AVX2: return avx2::linear(kind, xs.data_ptr(), w, out, M, K, n);
+      case AVX512: return avx512::linear(kind, xs.data_ptr(), w, out, M, K, n);
+      default: return avx512bf16::linear(kind, xs.data_ptr(), w, out, M, K, n);
+    }
+  };
+  if (y.scalar_type() == at::kFloat) run(y.data_ptr<float>());
+  else run(reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(laneserve_cpu, m) {
+  m.def("linear(Tensor x, Tensor packed, int kind, int n, int isa) -> Tensor");
+  m.def("supported(int isa) -> bool");
+  m.impl("linear", c10::DispatchKey::CPU, linear);
+  m.impl("supported", c10::DispatchKey::CatchAll, [](int64_t isa) { return supported(isa); });
+}
+
+#else  // kernels: begin (included per ISA, after Vec, Pair, Ints and their operations, ROWS, COLS, COLS_INT4)
+
+// The first `cols` of an accumulator into y, rounded to Out (float32, or bfloat16 to nearest even).
+template <typename Out>
+inline void put(Out* y, int64_t cols, Vec v) {
+  float t[16];
+  store(t, v);
+  for (int64_t j = 0; j < cols; ++j) y[j] = Out(t[j]);
+}
+
+// R rows by C column blocks from column block `col` (w: its packed data); x and y: the first row's.
+template <int R, int C, typename Out>
+void f32_tile(const float* x, const float* w, Out* y, int64_t K, int64_t n, int64_t col) {
+  Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load(w + (c * K + k) * 16);
+    for (int r = 0; r < R; ++r) {
+      Vec xv = bcast(x[r * K + k]);
+      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
+}
+
+template <int R, int C, typename Out>
+void bf16_tile(const uint16_t* x, const uint16_t* w, Out* y, int64_t K, int64_t n, int64_t col) {
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // k pairs
+  const int64_t K2 = K / 2;
+  Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t p = 0; p < K2; ++p) {
+    Pair wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load_pair(w + (c * K2 + p) * 32);
+    for (int r = 0; r < R; ++r) {
+      uint32_t xv = xp[r * K2 + p];
+      for (int c = 0; c < C; ++c) acc[r][c] = dot2(wv[c], xv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
+}
+
+// xq: the rows' int16 codes [M, K]; dx, xsum, xqsum: per group [M, K / 32], their scales, x's sums and 8 * xq's.
+template <int R, int C, typename Out>
+void int4_tile(const int16_t* xq, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
+               int64_t K, int64_t n, int64_t col) {
+  const int64_t G = K / 32;
+  Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk[C];
+    Ints s[R][C];
+    for (int c = 0; c < C; ++c) blk[c] = w + (c * G + g) * GROUP_BYTES;
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r][c] = izero();
+    for (int p = 0; p < 4; ++p) {
+      Ints q[C][4];
+      for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, q[c]);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* xr = xq + r * K + g * 32 + 4 * p;  // the pairs of k (4p, 4p + 2), (4p + 1, 4p + 3), +16
+        int32_t x[4];
+        for (int i = 0; i < 4; ++i) {
+          const int k = (i >> 1) * 16 + (i & 1);
+          x[i] = (int32_t)((uint32_t)(uint16_t)xr[k] | (uint32_t)(uint16_t)xr[k + 2] << 16);
+        }
+        for (int c = 0; c < C; ++c)
+          for (int i = 0; i < 4; ++i) s[r][c] = dot2i(s[r][c], q[c][i], x[i]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      Vec scale = load(reinterpret_cast<const float*>(blk[c])), zr = load(reinterpret_cast<const float*>(blk[c] + 64));
+      for (int r = 0; r < R; ++r) {
+        Vec sum = to_float(isub(s[r][c], xqsum[r * G + g]));
+        acc[r][c] = fma(zr, bcast(xsum[r * G + g]), fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
+}
+
+// The whole product: threads over groups of C column blocks; in each, all rows, ROWS at a time.
+template <typename Out>
+void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64_t K, int64_t n) {
+  const int64_t blocks = (n + 63) / 64 * 4, G = K / 32;
+  std::vector<float> dx(kind == INT4 ? M * G : 0), xsum(dx.size());
+  std::vector<int32_t> xqsum(dx.size());
+  std::vector<int16_t> xq(kind == INT4 ? M * K : 0);
+  if (kind == INT4) {  // each row's groups quantized to int8, from their own values alone
+    const float* xf = static_cast<const float*>(x);
+    at::parallel_for(0, M * G, 4096, [&](int64_t b, int64_t e) {  // a decode step's few groups: no threads
+      for (int64_t i = b; i < e; ++i) {
+        const float* v = xf + i * 32;
+        float amax = 0, sum = 0;
+        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k])), sum += v[k];
+        const float inv = amax > 0 ? 32767.0f / amax : 0.0f;
+        int32_t qsum = 0;
+        for (int k = 0; k < 32; ++k) {
+          xq[i * 32 + k] = (int16_t)std::nearbyint(std::min(32767.0f, std::max(-32767.0f, v[k] * inv)));
+          qsum += xq[i * 32 + k];
+        }
+        dx[i] = amax / 32767.0f, xsum[i] = sum, xqsum[i] = 8 * qsum;
+      }
+    });
+  }
+  const int64_t C = kind == INT4 ? COLS_INT4 : COLS;
+  at::parallel_for(0, blocks / C, 1, [&](int64_t b, int64_t e) {
+    for (int64_t cg = b; cg < e; ++cg)
+      for (int64_t m = 0; m < M; m += ROWS)
+        with_rows<ROWS>(std::min<int64_t>(ROWS, M - m), [&](auto R) {
+          const int64_t col = cg * C;
+          if (kind == F32)
+            f32_tile<R.value, COLS>(static_cast<const float*>(x) + m * K, static_cast<const float*>(w) + col * K * 16,
+                                    y + m * n, K, n, col);
+          else if (kind == BF16)
+            bf16_tile<R.value, COLS>(static_cast<const uint16_t*>(x) + m * K,
+                                     static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K, n, col);
+          else
+            int4_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G,
+                                          xqsum.data() + m * G,
+                                          static_cast<const uint8_t*>(w) + col * G * GROUP_BYTES, y + m * n, K, n, col);
+        });
+  });
+}
+
+#endif  // kernels: end
