@@ -29,7 +29,8 @@ def _load() -> bool:
         try:
             from torch.utils.cpp_extension import load
             load("laneserve_cpu_matmul", [os.path.join(os.path.dirname(os.path.abspath(__file__)), "matmul.cpp")],
-                 extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False)
+                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
             _built = True
         except Exception as e:  # no compiler, no ninja, ...: the tiles serve
             warnings.warn(f"cpu_matmul: could not build the CPU matmul kernel, using row tiles ({type(e).__name__}: "
