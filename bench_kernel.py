@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
                    help="the cache read in 8 bits (codes and scales, dequantized by the kernel); auto: --dtype")
-    p.add_argument("--batches", type=_number(int), nargs="+", help="batch sizes (default 1..256 on CUDA, 1 4 16 on CPU)")
+    p.add_argument("--batches", type=_number(int), nargs="+",
+                   help="batch sizes (default 1..256 on CUDA, 1 4 16 on CPU)")
     p.add_argument("--contexts", type=_number(int), nargs="+", help="context lengths (default 512..8192 on CUDA)")
     p.add_argument("--time-limit", type=_number(float), default=300, help="seconds; the rows measured by then are kept")
     p.add_argument("--json", metavar="PATH", help="write the rows here")

@@ -29,7 +29,8 @@ class EngineConfig:
                                        "bfloat16's tokens in the same memory); auto: --dtype",
                                choices=["auto", "fp8_e4m3", "fp8_e5m2", "int8"])
     quantization: str | None = knob(None, "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): a quarter of "
-                                          "bfloat16's weight bytes; its speed is in BENCHMARKS.md", type=str, choices=["int4"])
+                                          "bfloat16's weight bytes; its speed is in BENCHMARKS.md", type=str,
+                                    choices=["int4"])
     seed: int = knob(0, "seeds the requests that bring none")
     max_model_len: int | None = knob(None, "context length, prompt plus output (default: the model's)", type=int)
     max_num_seqs: int = knob(64, "most sequences in one batch")

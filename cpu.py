@@ -270,7 +270,8 @@ class BucketedAttention:
 
     def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               window: int = 0) -> torch.Tensor:
         """attention_cuda.paged_attention's signature and result."""
         lens = context_lens.tolist()
         meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), 1,

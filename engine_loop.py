@@ -74,7 +74,8 @@ class EngineLoop:
             self._refuse_inbox([])
 
     def _refuse_inbox(self, items: list) -> None:
-        """Answer every request in items (taken from the inbox) or still in the inbox with the engine's death."""
+        """Answer every request in items (taken from the inbox) or still in the inbox with a 503 saying why the engine
+        ended (it died, or the server stops)."""
         while True:
             try:
                 items.append(self._inbox.get_nowait())

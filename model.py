@@ -127,7 +127,8 @@ class Block(nn.Module):
         self.scale = 1.0 / math.sqrt(c.query_pre_attn_scalar or d)
         self.act = partial(F.gelu, approximate="tanh") if c.gemma else F.silu
         # On the meta device the weights cost no memory until the checkpoint's tensors replace them.
-        norm = lambda on, n=c.hidden_size: nn.RMSNorm(n, c.rms_norm_eps, device="meta") if on else nn.Identity()  # noqa: E731
+        def norm(on: bool, n: int = c.hidden_size) -> nn.Module:
+            return nn.RMSNorm(n, c.rms_norm_eps, device="meta") if on else nn.Identity()
         self.attn_norm, self.mlp_norm = norm(True), norm(True)
         self.q_norm, self.k_norm = (norm(True, d), norm(True, d)) if c.qk_norm else (None, None)
         self.attn_post_norm, self.mlp_post_norm = norm(c.gemma), norm(c.gemma)
@@ -226,7 +227,7 @@ class Transformer(nn.Module):
             if self.config.qk_norm:
                 put(layer.q_norm, p + "self_attn.q_norm.weight")
                 put(layer.k_norm, p + "self_attn.k_norm.weight")
-            if self.config.gemma:  # Gemma's post_attention_layernorm follows attention; pre_feedforward precedes the MLP
+            if self.config.gemma:  # Gemma's post_attention_layernorm follows attention, pre_feedforward the MLP
                 put(layer.attn_post_norm, p + "post_attention_layernorm.weight")
                 put(layer.mlp_post_norm, p + "post_feedforward_layernorm.weight")
             put(layer.mlp_norm, p + ("pre_feedforward_layernorm.weight" if self.config.gemma

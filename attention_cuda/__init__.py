@@ -66,8 +66,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     window: int = 0) -> torch.Tensor:
     """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to its
-    sequence's first context_lens[i] cached tokens (its own included; window > 0: the last `window` of them) alone; query head h reads KV head
-    h // (num_heads / num_kv_heads) (grouped-query attention). In float32 (float64 stays float64), sequence by
+    sequence's first context_lens[i] cached tokens (its own included; window > 0: the last `window` of them) alone;
+    query head h reads KV head h // (num_heads / num_kv_heads) (grouped-query attention). In float32 (float64 stays float64), sequence by
     sequence; returns query's shape and dtype (zeros for context 0). max_context_len: for the kernel's signature.
     k_scale, v_scale: an 8-bit cache's (see store_kv)."""
     group = query.shape[1] // k_cache.shape[2]
@@ -86,8 +86,8 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            host_context_lens: list[int], scale: float, decode: Callable = paged_attention,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            window: int = 0) -> torch.Tensor:
-    """Causal attention (window > 0: over the last `window` positions) for a flattened batch of sequences. Sequence i owns the next query_lens[i] rows of query
-    ([total_tokens, num_heads, head_dim]), the last of its context_lens[i] tokens: row j sits at position
+    """Causal attention (window > 0: over the last `window` positions) for a flattened batch of sequences.
+    Sequence i owns the next query_lens[i] rows of query ([total_tokens, num_heads, head_dim]), the last of its context_lens[i] tokens: row j sits at position
     context_len - q_len + j and sees keys 0..that position of its sequence alone. The leading one-token sequences
     go to `decode` together (the CUDA kernel on GPU), the rest to SDPA. query_lens, host_context_lens: host lists.
     k_scale, v_scale: an 8-bit cache's, its keys and values dequantized to query's dtype for SDPA."""
@@ -153,8 +153,8 @@ def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          max_context_len: int | None = None, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new contiguous tensor).
-    head_dim 64 or 128 (256 in 16 or 8 bits), block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and context_lens int32
-    on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens
+    head_dim 64 or 128 (256 in 16 or 8 bits), block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and
+    context_lens int32 on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens
     entry or more, from the host (so no device sync); it bounds the fp32 scratch. None: all that block_tables
     addresses. Each sequence's result depends on its own context alone. An 8-bit cache (float8_e4m3fn,
     float8_e5m2, int8) needs its k_scale and v_scale; the kernel dequantizes as it loads."""
