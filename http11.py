@@ -25,9 +25,24 @@ class HTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type, app):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET  # ::1 and the like
         self.app = app
-        self.handling = 0  # requests being answered (not idle keep-alive connections)
+        # Connections answering a request or about to, from their accept on (idle keep-alive ones are not):
+        # a stop waits for these, as a connection not yet parsed holds a request too.
+        self.handling = 0
         self.handling_changed = threading.Condition()
         super().__init__(address, handler)
+
+    def busy(self, n: int) -> None:
+        with self.handling_changed:
+            self.handling += n
+            self.handling_changed.notify_all()
+
+    def process_request(self, request, client_address) -> None:
+        self.busy(1)  # before its thread starts; shutdown_request, the thread's last act, takes it back
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        super().shutdown_request(request)
+        self.busy(-1)
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):  # a client gone mid-request is routine: no traceback
@@ -48,6 +63,7 @@ class RequestHandler(BaseHTTPRequestHandler):
         self.app = self.server.app
         self.timeout = self.app.timeout
         self.checked = 0.0  # when _client_closed last looked at the socket
+        self.served = False  # a request was read on this connection
         super().setup()
 
     def route(self, method: str, path: str, body: bytes) -> None:
@@ -72,15 +88,21 @@ class RequestHandler(BaseHTTPRequestHandler):
         origin, allowed = getattr(self, "headers", None) and self.headers.get("Origin"), self.app.allowed_origins
         return origin if origin and ("*" in allowed or origin in allowed) else None
 
+    def handle_one_request(self) -> None:
+        if self.served:  # keep-alive: idle, so not counted, until the next request's first byte
+            self.server.busy(-1)
+            try:
+                self.rfile.peek(1)
+            except OSError:  # the idle timeout, or a reset
+                self.close_connection = True
+                return
+            finally:
+                self.server.busy(1)
+        self.served = True
+        super().handle_one_request()
+
     def do_GET(self) -> None:
-        with self.server.handling_changed:
-            self.server.handling += 1
-        try:
-            self._answer()
-        finally:
-            with self.server.handling_changed:
-                self.server.handling -= 1
-                self.server.handling_changed.notify_all()
+        self._answer()
 
     do_POST = do_HEAD = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_GET
 

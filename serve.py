@@ -360,11 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         whole = bm.num_blocks // -(-e.max_model_len // bm.block_size)  # requests of max_model_len tokens it holds
         print(f"laneserve: {server.model_names[0]} on {e.device} {dtype}, KV {bm.num_blocks} blocks = {kv_tokens} "
-              f"tokens ({kv_dtype}): room for {whole} requests of the full {e.max_model_len}-token context, more "
-              f"of shorter ones (at most {config.max_num_seqs} run at once); "
+              f"tokens ({kv_dtype}): room for {whole} request{'s' * (whole != 1)} of the full "
+              f"{e.max_model_len}-token context, more of shorter ones (at most {config.max_num_seqs} run at once); "
               f"ready in {time.monotonic() - began:.1f}s, serving {server.url}", file=sys.stderr)
         print(f"laneserve: {sampling_note(e, config)}", file=sys.stderr)
-        stop.wait()
+        # With a timeout: a signal the kernel hands to another thread only wakes the main thread's wait here.
+        while not stop.wait(0.5):
+            pass
     print("laneserve: stopping", file=sys.stderr)
     if server.engine is None:
         # torch cannot be interrupted mid-load, and finalizing the interpreter under it aborts the process.

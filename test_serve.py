@@ -613,8 +613,8 @@ def test_cli_takes_vllms_underscore_spellings():
 
 @pytest.mark.slow
 def test_cli_serves_and_stops_on_sigterm():
-    p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--port", "0", "--num-kv-blocks", "64",
-                          "--max-model-len", "512", "--kv-cache-dtype", "int8"], cwd=HERE, env=ENV,
+    p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--port", "0", "--num-kv-blocks", "320",
+                          "--max-model-len", "4096", "--kv-cache-dtype", "int8"], cwd=HERE, env=ENV,
                          stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -623,20 +623,20 @@ def test_cli_serves_and_stops_on_sigterm():
             if "serving http" in line:
                 break
         summary = lines[-1]
-        assert "KV 64 blocks = 1024 tokens (int8)" in summary and " on cpu " in summary, lines
-        assert "room for 2 requests of the full 512-token context" in summary, summary  # 1024 tokens / 512
+        assert "KV 320 blocks = 5120 tokens (int8)" in summary and " on cpu " in summary, lines
+        assert "room for 1 request of the full 4096-token context" in summary, summary  # 5120 // 4096
         note = p.stderr.readline()  # random weights: no generation_config.json, no model card
         assert "get OpenAI's defaults (temperature 1, top_p 1)" in note, note
         host, port = re.search(r"http://([\d.]+):(\d+)", summary).groups()
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
-        assert '\nvllm:cache_config_info{block_size="16",cache_dtype="int8",num_gpu_blocks="64"} 1\n' in text, text
+        assert '\nvllm:cache_config_info{block_size="16",cache_dtype="int8",num_gpu_blocks="320"} 1\n' in text, text
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}))
         r = conn.getresponse()
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
-        # A stream still running does not hold up the stop.
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 400, "stream": True,
+        # A stream still running does not hold up the stop (too long to end before it, on any machine).
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 4000, "stream": True,
                                                             "ignore_eos": True}))
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
@@ -652,7 +652,7 @@ def test_cli_serves_and_stops_on_sigterm():
                 got = c.getresponse()
                 body = got.read()
                 answers.append((got.status, not stream or got.status != 200 or body.endswith(b"data: [DONE]\n\n")))
-            except OSError as e:  # such as a connection closed before the answer
+            except (OSError, http.client.HTTPException) as e:  # a connection reset, or an answer cut short
                 answers.append((type(e).__name__, False))
         clients = [threading.Thread(target=send, args=(i % 2 == 0,)) for i in range(400)]
         for c in clients:
@@ -661,7 +661,7 @@ def test_cli_serves_and_stops_on_sigterm():
             assert sent.acquire(timeout=60)
         p.send_signal(signal.SIGTERM)
         rest = r.read()
-        assert b'"error"' in rest and rest.endswith(b"data: [DONE]\n\n"), rest[-300:]
+        assert b'"error"' in rest and rest.endswith(b"data: [DONE]\n\n"), (rest.count(b"data:"), rest[-300:])
         assert p.wait(30) == 0
         for c in clients:
             c.join(30)
