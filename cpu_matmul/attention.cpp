@@ -1,0 +1,167 @@
+// Batch-invariant CPU attention for generated tokens, registered as torch.ops.laneserve_cpu.token_attention:
+// each generated token (a decode, or a recomputed output token) attends to its own sequence's cached keys
+// 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
+//
+// - Tasks: one per (token, KV head), split over threads by at::parallel_for; a task computes its KV head's
+//   heads_per_kv query heads alone, so a token's bits never depend on the other tokens of the step.
+// - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
+//   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
+//   out = T(sum_j p_j v_j). Products and sums in float32.
+// - Order, fixed: a dot product over d accumulates 8 lanes (lane d % 8) from d = 0 up, then adds the lanes
+//   pairwise ((0+1)+(2+3))+((4+5)+(6+7)); softmax sums e_j over j = start, start + 1, ..., pos; the output
+//   accumulates over j in the same order. Built with -ffp-contract=off: no fused multiply-adds.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// One call's tensors, as the tasks read them.
+struct Args {
+  const void *query, *k_cache, *v_cache;
+  const float *k_scales, *v_scales;  // null for a cache in T
+  const int64_t *tables, *rows, *seqs, *positions;
+  void* out;
+  int64_t n, width, heads, dim, block_size, kv_heads, window;
+  float scale;
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx2")  // used only where cpu_matmul.isa() vouches for AVX2 at least
+typedef float v8 __attribute__((vector_size(32)));
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(uint32_t(x.x) << 16); }  // vectorizes
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e5m2 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+inline float dot(const float* a, const float* b, int n) {
+  v8 acc = {};
+  int d = 0;
+  for (; d + 8 <= n; d += 8) {
+    v8 x, y;
+    std::memcpy(&x, a + d, sizeof x);
+    std::memcpy(&y, b + d, sizeof y);
+    acc += x * y;
+  }
+  float l[8];
+  std::memcpy(l, &acc, sizeof l);
+  for (int i = 0; d < n; ++d, ++i) l[i] += a[d] * b[d];
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// One cached token's vector for one KV head, as T's values in float32 (an 8-bit code times its scale, in T).
+template <typename T, typename C>
+inline void load(const C* cache, const float* scales, int64_t slot_head, int dim, float* out) {
+  const C* x = cache + slot_head * dim;
+  if constexpr (std::is_same_v<C, T>) {
+    for (int d = 0; d < dim; ++d) out[d] = to_float(x[d]);
+  } else {
+    const float s = scales[slot_head];
+    for (int d = 0; d < dim; ++d) out[d] = round_to<T>(to_float(x[d]) * s);
+  }
+}
+
+template <typename T, typename C>
+void run(const Args& a) {
+  const int dim = a.dim, group = a.heads / a.kv_heads;
+  const T* q_all = static_cast<const T*>(a.query);
+  T* o_all = static_cast<T*>(a.out);
+  at::parallel_for(0, a.n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * dim), kv(dim), acc(group * dim), s;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / a.kv_heads, h = task % a.kv_heads, pos = a.positions[i];
+      const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, len = pos + 1 - start;
+      const int64_t* table = a.tables + a.seqs[i] * a.width;
+      const int64_t first = (a.rows[i] * a.heads + h * group) * dim;  // the task's first query head's offset
+      for (int d = 0; d < group * dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
+      auto slot_head = [&](int64_t j) {  // key j's vector for head h: its slot's row, then the head's
+        return (table[j / a.block_size] * a.block_size + j % a.block_size) * a.kv_heads + h;
+      };
+      s.resize(group * len);
+      for (int64_t j = 0; j < len; ++j) {
+        load<T>(static_cast<const C*>(a.k_cache), a.k_scales, slot_head(start + j), dim, kv.data());
+        for (int g = 0; g < group; ++g) s[g * len + j] = round_to<T>(dot(&q[g * dim], kv.data(), dim));
+      }
+      for (int g = 0; g < group; ++g) {  // softmax, each probability rounded to T
+        float* p = &s[g * len];
+        const float m = *std::max_element(p, p + len);
+        float sum = 0;
+        for (int64_t j = 0; j < len; ++j) sum += (p[j] = std::exp(p[j] - m));
+        for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < len; ++j) {
+        load<T>(static_cast<const C*>(a.v_cache), a.v_scales, slot_head(start + j), dim, kv.data());
+        for (int g = 0; g < group; ++g) {
+          const float p = s[g * len + j];
+          float* o = &acc[g * dim];
+          for (int d = 0; d < dim; ++d) o[d] += p * kv[d];
+        }
+      }
+      for (int d = 0; d < group * dim; ++d) o_all[first + d] = static_cast<T>(acc[d]);
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+template <typename T>
+void with_cache(at::ScalarType cache, const Args& a) {
+  switch (cache) {
+    case at::kChar: return run<T, int8_t>(a);
+    case at::kFloat8_e4m3fn: return run<T, c10::Float8_e4m3fn>(a);
+    case at::kFloat8_e5m2: return run<T, c10::Float8_e5m2>(a);
+    default: return run<T, T>(a);
+  }
+}
+
+// query [tokens, heads, dim]; caches [blocks, block_size, kv_heads, dim] (scales [blocks, block_size, kv_heads]
+// float32 for an 8-bit one); block_tables [seqs, width] int64; rows, seqs, positions [n] int64: each generated
+// token's row of query and out, its sequence's row of block_tables and its position. Writes those rows of out.
+void token_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& rows, const at::Tensor& seqs,
+                     const at::Tensor& positions, double scale, int64_t window,
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, at::Tensor out) {
+  const at::Tensor& written = out;
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &rows, &seqs, &positions, &written})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "token_attention: contiguous CPU tensors");
+  for (const at::Tensor* t : {&block_tables, &rows, &seqs, &positions})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "token_attention: int64 indices");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "token_attention: out");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(2) == k_cache.size(3), "token_attention: shapes");
+  const bool codes = k_cache.element_size() == 1;
+  TORCH_CHECK(codes ? k_scale && v_scale : k_cache.scalar_type() == query.scalar_type(),
+              "token_attention: a cache in the query's dtype, or 8-bit codes with their scales");
+  const Args a{query.const_data_ptr(), k_cache.const_data_ptr(), v_cache.const_data_ptr(),
+               codes ? k_scale->const_data_ptr<float>() : nullptr, codes ? v_scale->const_data_ptr<float>() : nullptr,
+               block_tables.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(), seqs.const_data_ptr<int64_t>(),
+               positions.const_data_ptr<int64_t>(), out.mutable_data_ptr(), rows.numel(), block_tables.size(1),
+               query.size(1), query.size(2), k_cache.size(1), k_cache.size(2), window, static_cast<float>(scale)};
+  if (query.scalar_type() == at::kBFloat16) return with_cache<c10::BFloat16>(k_cache.scalar_type(), a);
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "token_attention: float32 or bfloat16 queries");
+  with_cache<float>(k_cache.scalar_type(), a);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(laneserve_cpu, m) {
+  m.def("token_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor rows, Tensor seqs, "
+        "Tensor positions, float scale, int window, Tensor? k_scale, Tensor? v_scale, Tensor(a!) out) -> ()");
+  m.impl("token_attention", c10::DispatchKey::CPU, token_attention);
+}
