@@ -158,6 +158,8 @@ class BucketedAttention:
     sequence's first b keys, b = p + 1 rounded up (key_bucket), those past p masked:
     - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values
       ([heads, b] by [b, kv_heads * dim]), with its own copy of the keys. Items with the same b run together.
+      Where cpu_matmul builds (kernel), its token_attention computes every generated token instead, one task per
+      token and KV head, reading only keys 0..p.
     - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
       own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
       bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of its keys.
@@ -168,7 +170,8 @@ class BucketedAttention:
     reuse it. A sliding window (Gemma 3's local layers) masks the keys before it too: still a function of the
     token's position alone; those layers get a plan of their own."""
 
-    def __init__(self):
+    def __init__(self, kernel: bool | None = None):
+        self.kernel = cpu_matmul.isa() is not None if kernel is None else kernel
         self.meta: BatchMeta | None = None  # what the plans below were made for
         self.plans: dict[int, tuple[list, list]] = {}  # by window
 
@@ -203,6 +206,9 @@ class BucketedAttention:
                     yield b, members, members[i:i + per]
 
         generated = (~prompt).nonzero()[:, 0]
+        if self.kernel:
+            token_calls = [(tables, generated, seq[generated], pos[generated])] if len(generated) else []
+            generated = generated[:0]
         for b, rows, r in calls(key_bucket(pos + 1, smallest)[generated], 2):
             if len(r) == 1:  # run a lone row with the one before it, or twice
                 r = rows[-2:] if len(rows) > 1 else rows.repeat(2)
@@ -236,16 +242,18 @@ class BucketedAttention:
         n, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
         heads_per_kv = heads // kv_heads
-        query = query * scale
         out = torch.empty(n, kv_heads, heads_per_kv, dim, dtype=query.dtype)
 
         def keys_values(blocks: torch.Tensor) -> list[torch.Tensor]:
             return [gather_keys(c, blocks, s, query.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale))]
-        if token_calls:
+        if token_calls and self.kernel:
+            torch.ops.laneserve_cpu.token_attention(query.contiguous(), k_cache, v_cache, *token_calls[0], scale, window,
+                                                    k_scale, v_scale, out.view(n, heads, dim))
+        elif token_calls:
             # Grouped-query attention without a copy of the keys per query head: query head h is laid out
             # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
             # identity, exact), so one matmul with the keys as gathered gives every head its scores.
-            q = (query.view(n, kv_heads, -1, 1, dim) * self.spread).view(n, heads, kv_heads * dim)
+            q = (query.view(n, kv_heads, -1, 1, dim) * scale * self.spread).view(n, heads, kv_heads * dim)
             for rows, blocks, mask in token_calls:
                 k, v = keys_values(blocks)
                 s = torch.bmm(q.index_select(0, rows), k.transpose(1, 2)).add_(mask)
@@ -257,7 +265,7 @@ class BucketedAttention:
                 """[items * length, kv_heads * width] as [items * kv_heads, length * width / dim, dim]."""
                 return x.view(items, length, kv_heads, -1).transpose(1, 2).reshape(items * kv_heads, -1, dim)
 
-            q = torch.cat((query, query.new_zeros(1, heads, dim)))
+            q = torch.cat((query * scale, query.new_zeros(1, heads, dim)))
             for index, blocks, mask, rows, present in group_calls:
                 items, b = mask.shape[0], mask.shape[-1]
                 k, v = (by_kv_head(x, items, b) for x in keys_values(blocks))

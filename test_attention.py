@@ -11,6 +11,7 @@ import torch
 
 import attention_cuda
 import cpu
+import cpu_matmul
 from attention_cuda import paged_attention, paged_attention_varlen, store_kv
 from model import BatchMeta
 
@@ -135,16 +136,19 @@ def test_sliding_window_in_every_form(window, dtype):
 CPU_TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-3, rtol=1.2e-2)}
 
 
-def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale, prompt_lens=None, scales=()):
+def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale, prompt_lens=None, scales=(), kernel=None):
     """cpu.BucketedAttention on a step of lanes [(context_len, q_len)], one-token lanes first as the runner
-    orders them; prompt_lens: each lane's (by default, every token a generated one); scales: an 8-bit cache's."""
+    orders them; prompt_lens: each lane's (by default, every token a generated one); scales: an 8-bit cache's;
+    kernel: whether generated tokens take cpu_matmul's token_attention (None: where it builds)."""
     lens = [n for _, n in lanes]
     ctx = [c for c, _ in lanes]
     meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32),
                      torch.empty(0), max(lens), max(ctx), lens, ctx, prompt_lens or [0] * len(lanes))
-    return cpu.BucketedAttention()(query, k_cache, v_cache, meta, scale, *scales)
+    return cpu.BucketedAttention(kernel)(query, k_cache, v_cache, meta, scale, *scales)
 
 
+KERNEL = pytest.mark.parametrize("kernel", [pytest.param(True, marks=pytest.mark.skipif(
+    cpu_matmul.isa() is None, reason="cpu_matmul's kernels need AVX2 and a compiler")), False], ids=["kernel", "torch"])
 KV8 = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]  # --kv-cache-dtype int8, fp8_e4m3, fp8_e5m2
 
 
@@ -159,7 +163,8 @@ def quantized(cache, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads, head_dim, block_size", [((9, 3), 64, 16), ((4, 4), 128, 8), ((8, 1), 64, 32)])
 @pytest.mark.parametrize("kind", ["generated", "prompt", "both"])
-def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype, kind):
+@KERNEL
+def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype, kind, kernel):
     # cpu.py's attention (keys in buckets) against the float64 loop: decodes and prefill pieces with
     # earlier context, contexts within one bucket and across several, past 1,024 keys (wider buckets);
     # generated tokens, prompt tokens (in groups), and both in one step and in one piece.
@@ -170,20 +175,28 @@ def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype, kind):
                    "both": [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]}[kind]
     batch = make_batch(head_dim + block_size, lanes, *heads, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
-    out = cpu_attention(*batch[:4], lanes, scale, prompt_lens)
+    out = cpu_attention(*batch[:4], lanes, scale, prompt_lens, kernel=kernel)
     expected = naive_attention(*[x.double() if x.is_floating_point() else x for x in batch], scale,
                                rounded=dtype if dtype != torch.float32 else None)
     torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
     # The decode entry point, with the reference's signature.
     ones = 7
-    decode = cpu.BucketedAttention().decode(batch[0][:ones], *batch[1:3], batch[3][:ones], batch[4][:ones], scale)
+    decode = cpu.BucketedAttention(kernel).decode(batch[0][:ones], *batch[1:3], batch[3][:ones], batch[4][:ones], scale)
     torch.testing.assert_close(decode.double(), expected[:ones], **CPU_TOLERANCE[dtype])
+    if kernel and kind == "generated":  # one task per token and KV head: the same bits on one thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(cpu_attention(*batch[:4], lanes, scale, prompt_lens, kernel=kernel), out)
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kv", [None] + KV8, ids=lambda kv: str(kv or "auto"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("prompt_len", [0, 150, 300])
-def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len, kv):
+@KERNEL
+def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len, kv, kernel):
     # One 300-token sequence (9 query heads over 3 KV heads, blocks of 16), its tokens computed as one
     # prefill piece, as pieces cut at other points (mid-block too), and one by one as decodes, each time
     # beside other sequences of other lengths and kinds: every token's result is the same, bit for bit,
@@ -210,7 +223,7 @@ def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len, kv)
         t = torch.cat([table] * len(pieces) + [tables[1:]])
         prompts = [prompt_len] * len(pieces) + others_prompts
         out = cpu_attention(torch.cat([rows[i] for i in order]), k_cache, v_cache, t[order],
-                            [lanes[i] for i in order], dim ** -0.5, [prompts[i] for i in order], scales)
+                            [lanes[i] for i in order], dim ** -0.5, [prompts[i] for i in order], scales, kernel)
         out = out.split([lanes[i][1] for i in order])
         return [out[order.index(i)] for i in range(len(pieces))]
 
@@ -369,7 +382,8 @@ def test_cpu_attention_reads_8_bit_caches(dtype, kv):
         naive = naive_attention(query.double(), k_values.double(), v_values.double(), tables, lens, starts, 0.125)
         torch.testing.assert_close(out.double(), naive, **CPU_TOLERANCE[dtype])
     decode = cpu.BucketedAttention().decode(query[:4], k, v, tables[:4], lens[:4], 0.125, None, k_scale, v_scale)
-    assert torch.equal(decode, expected[:4])
+    values = [x.to(dtype) for x in (k_values, v_values)]
+    assert torch.equal(decode, cpu.BucketedAttention().decode(query[:4], *values, tables[:4], lens[:4], 0.125))
 
 
 # the CUDA sources compile (no GPU needed)

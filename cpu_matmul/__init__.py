@@ -28,7 +28,8 @@ def _load() -> bool:
     if _built is None:
         try:
             from torch.utils.cpp_extension import load
-            load("laneserve_cpu_matmul", [os.path.join(os.path.dirname(os.path.abspath(__file__)), "matmul.cpp")],
+            here = os.path.dirname(os.path.abspath(__file__))
+            load("laneserve_cpu_matmul", [os.path.join(here, "matmul.cpp"), os.path.join(here, "attention.cpp")],
                  extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                  is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
             _built = True
