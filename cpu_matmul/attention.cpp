@@ -47,8 +47,36 @@ inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 inline float to_float(c10::Float8_e5m2 x) { return static_cast<float>(x); }
 
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// x rounded to T's precision (bfloat16: to nearest even, a NaN kept one), branch-free so that loops vectorize.
 template <typename T>
-inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    uint32_t u = std::bit_cast<uint32_t>(x);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return std::bit_cast<float>(x != x ? 0x7FC00000u : r);
+  }
+}
+
+// e^x for x <= 0, 8 at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); elementwise,
+// so a value's result does not depend on its lane. Below -87 (e^x < 2^-125) gives e^-87.
+inline v8 exp8(v8 x) {
+  x = x < -87.0f ? v8{} - 87.0f : x;
+  const v8 t = x * 1.44269504088896341f;
+  const v8i n = __builtin_convertvector(t + (t < 0 ? v8{} - 0.5f : v8{} + 0.5f), v8i);
+  const v8 nf = __builtin_convertvector(n, v8);
+  const v8 r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+  v8 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  return (v8)((v8i)y + (n << 23));
+}
 
 inline float dot(const float* a, const float* b, int n) {
   v8 acc = {};
@@ -65,7 +93,7 @@ inline float dot(const float* a, const float* b, int n) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-// One cached token's vector for one KV head, as T's values in float32 (an 8-bit code times its scale, in T).
+// Cached tokens' vectors for one KV head as T's values in float32 (an 8-bit code times its scale, in T).
 template <typename T, typename C>
 inline void load(const C* cache, const float* scales, int64_t slot_head, int dim, float* out) {
   const C* x = cache + slot_head * dim;
@@ -83,38 +111,51 @@ void run(const Args& a) {
   const T* q_all = static_cast<const T*>(a.query);
   T* o_all = static_cast<T*>(a.out);
   at::parallel_for(0, a.n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), kv(dim), acc(group * dim), s;
+    std::vector<float> q(group * dim), k, v, s;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / a.kv_heads, h = task % a.kv_heads, pos = a.positions[i];
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, len = pos + 1 - start;
       const int64_t* table = a.tables + a.seqs[i] * a.width;
       const int64_t first = (a.rows[i] * a.heads + h * group) * dim;  // the task's first query head's offset
       for (int d = 0; d < group * dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
-      auto slot_head = [&](int64_t j) {  // key j's vector for head h: its slot's row, then the head's
-        return (table[j / a.block_size] * a.block_size + j % a.block_size) * a.kv_heads + h;
-      };
-      s.resize(group * len);
-      for (int64_t j = 0; j < len; ++j) {
-        load<T>(static_cast<const C*>(a.k_cache), a.k_scales, slot_head(start + j), dim, kv.data());
-        for (int g = 0; g < group; ++g) s[g * len + j] = round_to<T>(dot(&q[g * dim], kv.data(), dim));
+      k.resize(len * dim), v.resize(len * dim), s.resize(group * len + 8);
+      for (int64_t j = 0; j < len; ++j) {  // key j's slot: block table[j / block_size], row j % block_size
+        const int64_t slot = table[(start + j) / a.block_size] * a.block_size + (start + j) % a.block_size;
+        load<T>(static_cast<const C*>(a.k_cache), a.k_scales, slot * a.kv_heads + h, dim, &k[j * dim]);
+        load<T>(static_cast<const C*>(a.v_cache), a.v_scales, slot * a.kv_heads + h, dim, &v[j * dim]);
+        for (int g = 0; g < group; ++g) s[g * len + j] = round_to<T>(dot(&q[g * dim], &k[j * dim], dim));
       }
       for (int g = 0; g < group; ++g) {  // softmax, each probability rounded to T
         float* p = &s[g * len];
         const float m = *std::max_element(p, p + len);
+        for (int64_t j = 0; j < len; j += 8) {  // s has 8 spare floats at its end for the last chunk
+          v8 x;
+          std::memcpy(&x, p + j, sizeof x);
+          x = exp8(x - m);
+          std::memcpy(p + j, &x, sizeof x);
+        }
         float sum = 0;
-        for (int64_t j = 0; j < len; ++j) sum += (p[j] = std::exp(p[j] - m));
+        for (int64_t j = 0; j < len; ++j) sum += p[j];
         for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < len; ++j) {
-        load<T>(static_cast<const C*>(a.v_cache), a.v_scales, slot_head(start + j), dim, kv.data());
-        for (int g = 0; g < group; ++g) {
-          const float p = s[g * len + j];
-          float* o = &acc[g * dim];
-          for (int d = 0; d < dim; ++d) o[d] += p * kv[d];
+      for (int g = 0; g < group; ++g) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
+        const float* p = &s[g * len];
+        int d = 0;
+        for (; d + 8 <= dim; d += 8) {
+          v8 acc = {};
+          for (int64_t j = 0; j < len; ++j) {
+            v8 x;
+            std::memcpy(&x, &v[j * dim + d], sizeof x);
+            acc += p[j] * x;
+          }
+          for (int l = 0; l < 8; ++l) o_all[first + g * dim + d + l] = static_cast<T>(acc[l]);
+        }
+        for (; d < dim; ++d) {
+          float acc = 0;
+          for (int64_t j = 0; j < len; ++j) acc += p[j] * v[j * dim + d];
+          o_all[first + g * dim + d] = static_cast<T>(acc);
         }
       }
-      for (int d = 0; d < group * dim; ++d) o_all[first + d] = static_cast<T>(acc[d]);
     }
   });
 }
