@@ -110,50 +110,58 @@ void run(const Args& a) {
   const int dim = a.dim, group = a.heads / a.kv_heads;
   const T* q_all = static_cast<const T*>(a.query);
   T* o_all = static_cast<T*>(a.out);
-  at::parallel_for(0, a.n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), k, v, s;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / a.kv_heads, h = task % a.kv_heads, pos = a.positions[i];
+  const int64_t row = a.kv_heads * dim;  // a slot's floats: every KV head's vector
+  at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(a.heads * dim), k, v, s;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t pos = a.positions[i];
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, len = pos + 1 - start;
       const int64_t* table = a.tables + a.seqs[i] * a.width;
-      const int64_t first = (a.rows[i] * a.heads + h * group) * dim;  // the task's first query head's offset
-      for (int d = 0; d < group * dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
-      k.resize(len * dim), v.resize(len * dim), s.resize(group * len + 8);
+      const int64_t first = a.rows[i] * a.heads * dim;  // the token's offset in query and out
+      for (int d = 0; d < a.heads * dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
+      k.resize(len * row), v.resize(len * row), s.resize(group * len + 8);
       for (int64_t j = 0; j < len; ++j) {  // key j's slot: block table[j / block_size], row j % block_size
         const int64_t slot = table[(start + j) / a.block_size] * a.block_size + (start + j) % a.block_size;
-        load<T>(static_cast<const C*>(a.k_cache), a.k_scales, slot * a.kv_heads + h, dim, &k[j * dim]);
-        load<T>(static_cast<const C*>(a.v_cache), a.v_scales, slot * a.kv_heads + h, dim, &v[j * dim]);
-        for (int g = 0; g < group; ++g) s[g * len + j] = round_to<T>(dot(&q[g * dim], &k[j * dim], dim));
-      }
-      for (int g = 0; g < group; ++g) {  // softmax, each probability rounded to T
-        float* p = &s[g * len];
-        const float m = *std::max_element(p, p + len);
-        for (int64_t j = 0; j < len; j += 8) {  // s has 8 spare floats at its end for the last chunk
-          v8 x;
-          std::memcpy(&x, p + j, sizeof x);
-          x = exp8(x - m);
-          std::memcpy(p + j, &x, sizeof x);
+        for (int h = 0; h < a.kv_heads; ++h) {
+          load<T>(static_cast<const C*>(a.k_cache), a.k_scales, slot * a.kv_heads + h, dim, &k[j * row + h * dim]);
+          load<T>(static_cast<const C*>(a.v_cache), a.v_scales, slot * a.kv_heads + h, dim, &v[j * row + h * dim]);
         }
-        float sum = 0;
-        for (int64_t j = 0; j < len; ++j) sum += p[j];
-        for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
       }
-      for (int g = 0; g < group; ++g) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
-        const float* p = &s[g * len];
-        int d = 0;
-        for (; d + 8 <= dim; d += 8) {
-          v8 acc = {};
-          for (int64_t j = 0; j < len; ++j) {
+      for (int64_t h = 0; h < a.kv_heads; ++h) {
+        for (int64_t j = 0; j < len; ++j)
+          for (int g = 0; g < group; ++g)
+            s[g * len + j] = round_to<T>(dot(&q[(h * group + g) * dim], &k[j * row + h * dim], dim));
+        for (int g = 0; g < group; ++g) {  // softmax, each probability rounded to T
+          float* p = &s[g * len];
+          const float m = *std::max_element(p, p + len);
+          for (int64_t j = 0; j < len; j += 8) {  // the last chunk reads past p's end (s has 8 floats spare)
             v8 x;
-            std::memcpy(&x, &v[j * dim + d], sizeof x);
-            acc += p[j] * x;
+            std::memcpy(&x, p + j, sizeof x);
+            x = exp8(x - m);
+            std::memcpy(p + j, &x, std::min<int64_t>(8, len - j) * sizeof(float));
           }
-          for (int l = 0; l < 8; ++l) o_all[first + g * dim + d + l] = static_cast<T>(acc[l]);
+          float sum = 0;
+          for (int64_t j = 0; j < len; ++j) sum += p[j];
+          for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
         }
-        for (; d < dim; ++d) {
-          float acc = 0;
-          for (int64_t j = 0; j < len; ++j) acc += p[j] * v[j * dim + d];
-          o_all[first + g * dim + d] = static_cast<T>(acc);
+        for (int g = 0; g < group; ++g) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
+          const float* p = &s[g * len];
+          T* o = o_all + first + (h * group + g) * dim;
+          int d = 0;
+          for (; d + 8 <= dim; d += 8) {
+            v8 acc = {};
+            for (int64_t j = 0; j < len; ++j) {
+              v8 x;
+              std::memcpy(&x, &v[j * row + h * dim + d], sizeof x);
+              acc += p[j] * x;
+            }
+            for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
+          }
+          for (; d < dim; ++d) {
+            float acc = 0;
+            for (int64_t j = 0; j < len; ++j) acc += p[j] * v[j * row + h * dim + d];
+            o[d] = static_cast<T>(acc);
+          }
         }
       }
     }
