@@ -247,8 +247,8 @@ class BucketedAttention:
         def keys_values(blocks: torch.Tensor) -> list[torch.Tensor]:
             return [gather_keys(c, blocks, s, query.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale))]
         if token_calls and self.kernel:
-            torch.ops.laneserve_cpu.token_attention(query.contiguous(), k_cache, v_cache, *token_calls[0], scale, window,
-                                                    k_scale, v_scale, out.view(n, heads, dim))
+            torch.ops.laneserve_cpu.token_attention(query.contiguous(), k_cache, v_cache, *token_calls[0], scale,
+                                                    window, k_scale, v_scale, out.view(n, heads, dim))
         elif token_calls:
             # Grouped-query attention without a copy of the keys per query head: query head h is laid out
             # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the

@@ -1,4 +1,5 @@
-"""Batch-invariant CPU matmul: y = x Wᵀ by our kernel (matmul.cpp), each row's result the same bits whatever else
+"""Batch-invariant CPU kernels: attention for generated tokens (attention.cpp, the op token_attention, which
+cpu.BucketedAttention calls) and the matmul, y = x Wᵀ by matmul.cpp, each row's result the same bits whatever else
 the batch holds and however many threads run it, so that cpu.py needs no row tiles where it is used: one row is a
 matrix-vector product streaming the weights once. float32 and bfloat16 weights, and the int4 groups of
 --quantization int4 (GGUF's Q4_1: w = q * scale + min). Built with torch.utils.cpp_extension on first use, as

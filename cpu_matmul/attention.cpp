@@ -2,14 +2,16 @@
 // each generated token (a decode, or a recomputed output token) attends to its own sequence's cached keys
 // 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
 //
-// - Tasks: one per (token, KV head), split over threads by at::parallel_for; a task computes its KV head's
-//   heads_per_kv query heads alone, so a token's bits never depend on the other tokens of the step.
+// - Tasks: one per token, split over threads by at::parallel_for (never within a token), so a token's bits never
+//   depend on the other tokens of the step or on the thread count. A task copies its keys' and values' slot rows
+//   (every KV head, whole) to float32 buffers, then computes each KV head's heads_per_kv query heads.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
 //   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
-//   out = T(sum_j p_j v_j). Products and sums in float32.
+//   out = T(sum_j p_j v_j). Products and sums in float32; e^x by exp8, the same polynomial in every lane.
 // - Order, fixed: a dot product over d accumulates 8 lanes (lane d % 8) from d = 0 up, then adds the lanes
-//   pairwise ((0+1)+(2+3))+((4+5)+(6+7)); softmax sums e_j over j = start, start + 1, ..., pos; the output
-//   accumulates over j in the same order. Built with -ffp-contract=off: no fused multiply-adds.
+//   pairwise ((0+1)+(2+3))+((4+5)+(6+7)); softmax sums e_j over j = start, start + 1, ..., pos; each output
+//   element accumulates over j in the same order. Built with -ffp-contract=off: no fused multiply-adds. AVX2
+//   vectors (where cpu_matmul.isa() vouches for it), elementwise, so AVX-512 machines give the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -186,7 +188,8 @@ void with_cache(at::ScalarType cache, const Args& a) {
 void token_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& rows, const at::Tensor& seqs,
                      const at::Tensor& positions, double scale, int64_t window,
-                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, at::Tensor out) {
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                     at::Tensor out) {
   const at::Tensor& written = out;
   for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &rows, &seqs, &positions, &written})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "token_attention: contiguous CPU tensors");
