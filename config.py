@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from sequence import require, typed
+from speculation import speculative_config
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -58,6 +59,11 @@ class EngineConfig:
                                            "parallelism on CPU, the cores shared among the ranks)", type=int)
     tensor_parallel_size: int = knob(1, "split the model across this many GPUs (NCCL) or CPU processes (gloo), "
                                         "Megatron-style; under torchrun, the processes it starts")
+    num_speculative_tokens: int = knob(0, "n-gram (prompt lookup) speculative decoding: most draft tokens a "
+                                          "sequence computes per step, in rows a step computes almost for free "
+                                          "(output unchanged, bit for bit); 0: off")
+    prompt_lookup_max: int = knob(4, "speculation: longest n-gram of a sequence's last tokens looked up in it")
+    prompt_lookup_min: int = knob(2, "speculation: shortest such n-gram")
     trace: bool = False  # keep a per-step trace of the scheduled sequences (tests, teaching); not a flag
 
     def __post_init__(self):
@@ -82,6 +88,8 @@ class EngineConfig:
             (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", self.device) is not None,
              f"unknown device {self.device!r} (auto, cpu, cuda or cuda:N)"),
             (self.seed >= 0, "seed must be >= 0"),
+            (self.num_speculative_tokens >= 0 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             "num_speculative_tokens must be >= 0 and 1 <= prompt_lookup_min <= prompt_lookup_max"),
             (self.torch_threads is None or 1 <= self.torch_threads <= cores,
              f"torch_threads must be in [1, {cores}] (this machine's cores)"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
@@ -108,9 +116,12 @@ def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None
         group.add_argument(flag, type=f.metadata.get("type", type(default)), default=default,
                            choices=f.metadata.get("choices"),
                            help=f.metadata["help"] + ("" if default is None else f" (default {default})"))
+    group.add_argument("--speculative-config", type=speculative_config, help="vLLM's JSON form of the "
+                       "speculation knobs: '{\"method\": \"ngram\", \"num_speculative_tokens\": 8}'")
 
 
 def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The config a command line asked for (None: the field's default); ValueError names a bad knob."""
     given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
+    given |= getattr(args, "speculative_config", None) or {}
     return EngineConfig(**{**given, **overrides})

@@ -17,6 +17,7 @@ from runner import ModelRunner
 from sampler import TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status, require
+from speculation import verify
 from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer, read_chat_template
 
 
@@ -78,6 +79,7 @@ class Engine:
         self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
         self.num_prompt_tokens = 0      # prompt tokens run through the model (cache hits excluded)
         self.num_generation_tokens = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation: proposed, and accepted
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for the server's /metrics."""
@@ -86,7 +88,8 @@ class Engine:
                 "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks, "num_kv_blocks": bm.num_blocks,
                 "num_preemptions": s.num_preemptions,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
-                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens}
+                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+                "spec_decode_draft_tokens": self.num_draft_tokens, "spec_decode_accepted_tokens": self.num_accepted_tokens}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -162,9 +165,11 @@ class Engine:
             begin, prompt_end = seq.num_computed_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
             self.num_prompt_tokens += max(0, prompt_end - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)
-            seq.num_computed_tokens += n
-        outputs = [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error)
-                   for seq, token, logprob, error in sampled]
+            seq.num_computed_tokens += n - len(seq.draft)  # a draft's K/V counts once verified
+        outputs = []
+        for seq, token, logprob, error, drafts in sampled:
+            outputs.append(self._append_token(seq, token, logprob) if error is None else self._fail(seq, error))
+            outputs += verify(self, seq, token, drafts) if seq.draft else []
         if self.on_step:
             self.on_step(self, out, outputs, time.perf_counter() - began)
         if self.config.trace:

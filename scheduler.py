@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from config import EngineConfig
 from kv_cache import BlockManager
 from sequence import Sequence, Status
+from speculation import draft_share, propose
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Scheduler:
         order, while the token budget, max_num_seqs and free KV blocks allow."""
         out = SchedulerOutput([], [], [])
         self.budget = self.config.max_num_batched_tokens
+        self.drafts = draft_share(self.config, self.running)  # per decoding sequence
         preemptions = self.num_preemptions
         if self.config.scheduling == "static" and not self.running and not self.swapped:
             self._admit_static_batch()
@@ -139,6 +141,11 @@ class Scheduler:
             self.preempt(victim, out)
             if victim is seq:
                 return
+        if n == 1 and self.drafts:  # only into blocks that are free: a draft never preempts
+            seq.draft = propose(seq, min(self.drafts, self.budget - 1), self.config)
+            if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + 1 + len(seq.draft)):
+                seq.draft = []
+            n += len(seq.draft)
         self._schedule(seq, n, out)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -105,6 +105,8 @@ class Sequence:
     queue_time: float | None = None  # seconds from arrival_time to its first step
     generator: Any = None    # the sequence's own torch.Generator, so its samples ignore its neighbours
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens, computed after token_ids (speculation.py)
+    ngrams: Any = None  # speculation.NgramIndex
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
