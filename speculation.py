@@ -38,7 +38,11 @@ class NgramIndex:
         self.indexed = max(self.indexed, last)
         for n in self.sizes:
             if n <= len(tokens) and (end := self.ends.get(tuple(tokens[-n:]))) is not None:
-                return tokens[end:end + k]
+                # What followed it, continued past the end as the repeat would go on (period len(tokens) - end).
+                draft = tokens[end:end + k]
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - (len(tokens) - end)])
+                return draft
         return []
 
 
