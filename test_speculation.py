@@ -15,8 +15,8 @@ from speculation import NgramIndex
 
 
 def engine(model: str, k: int, **knobs) -> LLM:
-    return LLM(model=model, dummy_weights=True, device="cpu", dtype="bfloat16", num_speculative_tokens=k,
-               **{"num_kv_blocks": 1024, **knobs})
+    return LLM(model=model, dummy_weights=True, device="cpu", num_speculative_tokens=k,
+               **{"num_kv_blocks": 1024, "dtype": "bfloat16", **knobs})
 
 
 def run(llm: LLM, requests: list[tuple[list[int] | str, SamplingParams]]) -> tuple[dict[str, list], dict[str, tuple]]:
@@ -178,3 +178,4 @@ def test_speculative_config_flag():
         from_cli_args(parser.parse_args(["--speculative-config", '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}']))
     with pytest.raises(ValueError, match="num_speculative_tokens must be int"):
         EngineConfig(num_speculative_tokens="8")
+
