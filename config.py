@@ -59,9 +59,8 @@ class EngineConfig:
                                            "parallelism on CPU, the cores shared among the ranks)", type=int)
     tensor_parallel_size: int = knob(1, "split the model across this many GPUs (NCCL) or CPU processes (gloo), "
                                         "Megatron-style; under torchrun, the processes it starts")
-    num_speculative_tokens: int = knob(0, "n-gram (prompt lookup) speculative decoding: most draft tokens a "
-                                          "sequence computes per step, in rows a step computes almost for free "
-                                          "(output unchanged, bit for bit); 0: off")
+    num_speculative_tokens: int = knob(0, "n-gram (prompt lookup) speculative decoding, output bit for bit "
+                                          "unchanged: most draft tokens per sequence and step; 0: off")
     prompt_lookup_max: int = knob(4, "speculation: longest n-gram of a sequence's last tokens looked up in it")
     prompt_lookup_min: int = knob(2, "speculation: shortest such n-gram")
     trace: bool = False  # keep a per-step trace of the scheduled sequences (tests, teaching); not a flag
@@ -116,8 +115,7 @@ def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None
         group.add_argument(flag, type=f.metadata.get("type", type(default)), default=default,
                            choices=f.metadata.get("choices"),
                            help=f.metadata["help"] + ("" if default is None else f" (default {default})"))
-    group.add_argument("--speculative-config", type=speculative_config, help="vLLM's JSON form of the "
-                       "speculation knobs: '{\"method\": \"ngram\", \"num_speculative_tokens\": 8}'")
+    group.add_argument("--speculative-config", type=speculative_config, help=speculative_config.__doc__)
 
 
 def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:

@@ -166,10 +166,9 @@ class Engine:
             self.num_prompt_tokens += max(0, prompt_end - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)
             seq.num_computed_tokens += n - len(seq.draft)  # a draft's K/V counts once verified
-        outputs = []
-        for seq, token, logprob, error, drafts in sampled:
-            outputs.append(self._append_token(seq, token, logprob) if error is None else self._fail(seq, error))
-            outputs += verify(self, seq, token, drafts) if seq.draft else []
+        outputs = [out for seq, token, logprob, error, drafts in sampled for out in  # then its drafts, verified
+                   [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error),
+                    *verify(self, seq, token, drafts)]]
         if self.on_step:
             self.on_step(self, out, outputs, time.perf_counter() - began)
         if self.config.trace:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -196,8 +197,7 @@ class ModelRunner:
         return peak
 
     def run(self, scheduled: list[tuple[Sequence, int]], swap_out: list[tuple[int, int]] = (),
-            swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None,
-                                                               torch.Tensor]]:
+            swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None, Any]]:
         """One step: build the batch, broadcast it to the other ranks, forward it, sample: each sampled sequence's
         next token or why sampling failed, and its drafts' logits. Failing is fatal under tensor parallelism
         (WorkerFailure)."""
@@ -210,10 +210,8 @@ class ModelRunner:
             if self.tp:
                 raise self.tp.fail(e) from e
             raise
-        if not batch:
-            return []
-        n = len(sampled)
-        return list(zip(sampled, *sample(logits[:n], sampled), logits[n:].split([len(s.draft) for s in sampled])))
+        n, drafts = len(sampled), [len(s.draft) for s in sampled]  # the drafts' rows come after every sequence's first
+        return list(zip(sampled, *sample(logits[:n], sampled), logits[n:].split(drafts))) if batch else []
 
     def forward(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                 batch: StepBatch | None) -> torch.Tensor | None:

@@ -141,11 +141,7 @@ class Scheduler:
             self.preempt(victim, out)
             if victim is seq:
                 return
-        if n == 1 and self.drafts:  # only into blocks that are free: a draft never preempts
-            seq.draft = propose(seq, min(self.drafts, self.budget - 1), self.config)
-            if not self.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + 1 + len(seq.draft)):
-                seq.draft = []
-            n += len(seq.draft)
+        n += len(propose(seq, self)) if n == 1 and self.drafts else 0
         self._schedule(seq, n, out)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -54,14 +54,20 @@ def draft_share(config, running: list[Sequence]) -> int:
     return max(0, min(config.num_speculative_tokens, (DRAFT_ROWS - decoding) // decoding))
 
 
-def propose(seq: Sequence, k: int, config) -> list[int]:
-    """seq's draft: at most k tokens, none past what max_tokens leaves after the token this step samples anyway."""
-    k = min(k, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
+def propose(seq: Sequence, scheduler) -> list[int]:
+    """Set decoding sequence seq's draft for this step: its share of draft tokens within the step's token budget,
+    none past what max_tokens leaves after the token this step samples anyway, and only if the blocks it needs are
+    free (a draft never preempts)."""
+    c = scheduler.config
+    k = min(scheduler.drafts, scheduler.budget - 1, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
     if k <= 0:
         return []
     if seq.ngrams is None:
-        seq.ngrams = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-    return seq.ngrams.propose(seq.token_ids, k)
+        seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+    draft = seq.ngrams.propose(seq.token_ids, k)
+    if scheduler.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + 1 + len(draft)):
+        seq.draft = draft
+    return seq.draft
 
 
 def verify(engine, seq: Sequence, token: int, rows: torch.Tensor) -> list:
@@ -70,6 +76,8 @@ def verify(engine, seq: Sequence, token: int, rows: torch.Tensor) -> list:
     and appended, one draw per emitted token as in plain decoding. Then the blocks taken for rejected drafts go
     back to the pool."""
     draft, seq.draft, outputs = seq.draft, [], []
+    if not draft:
+        return []
     for proposed, row in zip(draft, rows):
         if seq.status is Status.FINISHED or token != proposed:
             break
@@ -85,8 +93,8 @@ def verify(engine, seq: Sequence, token: int, rows: torch.Tensor) -> list:
 
 
 def speculative_config(text: str) -> dict:
-    """--speculative-config's vLLM JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 8,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}', as EngineConfig fields (argparse reports the error)."""
+    """vLLM's JSON form of the speculation knobs: '{"method": "ngram", "num_speculative_tokens": 8,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}'"""  # the --speculative-config flag's help; as EngineConfig fields
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:

@@ -179,3 +179,15 @@ def test_speculative_config_flag():
     with pytest.raises(ValueError, match="num_speculative_tokens must be int"):
         EngineConfig(num_speculative_tokens="8")
 
+
+
+def test_metrics_count_drafts_and_accepted(smollm2_shapes):
+    from metrics import Histogram, prometheus_text
+    llm = engine(smollm2_shapes, 4)
+    llm.generate([looping(random.Random(3), 20)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    h = Histogram([1.0])
+    text = prometheus_text("m", llm.stats(), True, h, h, h, h, 16, "auto")
+    drafts, accepted = llm.num_draft_tokens, llm.num_accepted_tokens
+    assert drafts >= accepted > 0
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {drafts}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}' in text
