@@ -20,8 +20,7 @@ def knob(default, help: str, **cli):
 @dataclass
 class EngineConfig:
     model: str = knob(DEFAULT_MODEL, "preset (see weights.PRESETS), HF repo id or checkpoint path")
-    model_path: str | None = knob(None, "checkpoint for --model: a .gguf file or a Hugging Face directory",
-                                  type=str)
+    model_path: str | None = knob(None, "checkpoint for --model: a .gguf file or a Hugging Face directory", type=str)
     dummy_weights: bool = knob(False, "random weights in the preset's shapes (for benchmarking)")
     device: str = knob("auto", "cpu, cuda or cuda:N; auto: CUDA when available")
     dtype: str = knob("auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units, "
@@ -53,8 +52,7 @@ class EngineConfig:
     chat_template: str | None = knob(None, "a Jinja chat template file to use instead of the checkpoint's", type=str)
     generation_config: str = knob("auto", "auto: a Hugging Face checkpoint's generation_config.json (else a "
                                           "preset's model card) sets the defaults of sampling fields requests "
-                                          "leave out; vllm: neither does",
-                                  choices=["auto", "vllm"])
+                                          "leave out; vllm: neither does", choices=["auto", "vllm"])
     torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's, one per core; with tensor "
                                            "parallelism on CPU, the cores shared among the ranks)", type=int)
     tensor_parallel_size: int = knob(1, "split the model across this many GPUs (NCCL) or CPU processes (gloo), "
@@ -70,8 +68,7 @@ class EngineConfig:
         require([typed(f.name, getattr(self, f.name), f.metadata.get("type", type(f.default)), f.default is None)
                  for f in fields(self) if "help" in f.metadata])
         cores = os.cpu_count() or 1
-        require([
-            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+        require([(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two, got {self.block_size}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= self.block_size,

@@ -77,9 +77,9 @@ class Engine:
         self.trace: list[list[SeqStep]] = []
         self.on_step = None  # called after each step with (engine, SchedulerOutput, outputs, seconds): events.py
         self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
-        self.num_prompt_tokens = 0      # prompt tokens run through the model (cache hits excluded)
-        self.num_generation_tokens = 0
-        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculation: proposed, and accepted
+        # Prompt tokens run through the model (cache hits excluded), generated tokens, and speculation's draft tokens
+        # proposed and accepted.
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for the server's /metrics."""
@@ -152,16 +152,14 @@ class Engine:
         began = time.perf_counter()
         if self.failure:
             raise WorkerFailure(self.failure)
-        ended = []  # static mode: aborts ended the batch; what it held goes out before the next batch starts
-        if self.held and not self.scheduler.running:
-            ended, self.held = self.held, []
+        # Static mode: aborts ended the batch; what it held goes out before the next batch starts.
+        ended, self.held = (self.held, []) if self.held and not self.scheduler.running else ([], self.held)
         out = self.scheduler.schedule()
         sampled = self.runner.run(out.scheduled, out.swap_out, out.swap_in)
         if not out.scheduled:
             return ended
         for seq, n in out.scheduled:
-            if seq.queue_time is None:
-                seq.queue_time = time.monotonic() - seq.arrival_time
+            seq.queue_time = time.monotonic() - seq.arrival_time if seq.queue_time is None else seq.queue_time
             begin, prompt_end = seq.num_computed_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
             self.num_prompt_tokens += max(0, prompt_end - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)
@@ -186,8 +184,7 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
-        delta = ""
-        reason = stop_reason = None
+        delta, reason, stop_reason = "", None, None
         if token in seq.stop_ids:
             reason, stop_reason = "stop", None if token == self.tokenizer.eos_id else token
         else:  # an ignored EOS too: its text goes out unless skip_special_tokens (the default) drops it
@@ -196,8 +193,7 @@ class Engine:
                 delta = seq.detokenizer.feed(token, len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens)
             except Exception as e:  # a tokenizer bug fails this request, not its neighbours
                 return self._fail(seq, f"detokenizing failed ({type(e).__name__}: {e})")
-            if seq.detokenizer.stopped:
-                reason = "stop"
+            reason = "stop" if seq.detokenizer.stopped else None
         if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -206,9 +202,8 @@ class Engine:
                 delta += seq.detokenizer.flush()
                 reason = "stop" if seq.detokenizer.stopped else reason  # the last character completed one
             self._finish(seq)
-        if stop_reason is None:
-            stop_reason = seq.detokenizer.stopped
-        return self._output(seq, delta, reason, logprob, stop_reason=stop_reason)
+        stopped = seq.detokenizer.stopped
+        return self._output(seq, delta, reason, logprob, None, stopped if stop_reason is None else stop_reason)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self._finish(seq)

@@ -115,8 +115,7 @@ class ModelRunner:
         if c.dummy_weights:
             if model_config is None and c.model not in weights.PRESETS:
                 raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
-            self.model_config = model_config or weights.PRESETS[c.model]
-            self.checkpoint_path = None
+            self.model_config, self.checkpoint_path = model_config or weights.PRESETS[c.model], None
             state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device, self.rank, tp_size)
         else:
             self.checkpoint_path = weights.resolve_checkpoint(c.model, c.model_path)

@@ -59,7 +59,8 @@ def propose(seq: Sequence, scheduler) -> list[int]:
     none past what max_tokens leaves after the token this step samples anyway, and only if the blocks it needs are
     free (a draft never preempts)."""
     c = scheduler.config
-    k = min(scheduler.drafts, scheduler.budget - 1, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
+    left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1
+    k = min(scheduler.drafts, scheduler.budget - 1, left)
     if k <= 0:
         return []
     if seq.ngrams is None:
