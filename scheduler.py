@@ -49,7 +49,7 @@ class Scheduler:
         order, while the token budget, max_num_seqs and free KV blocks allow."""
         out = SchedulerOutput([], [], [])
         self.budget = self.config.max_num_batched_tokens
-        self.drafts = draft_share(self.config, self.running)  # per decoding sequence
+        self.drafts = draft_share(self)  # per decoding sequence
         preemptions = self.num_preemptions
         if self.config.scheduling == "static" and not self.running and not self.swapped:
             self._admit_static_batch()

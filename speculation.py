@@ -46,12 +46,15 @@ class NgramIndex:
         return []
 
 
-def draft_share(config, running: list[Sequence]) -> int:
-    """Draft tokens per decoding sequence this step: DRAFT_ROWS shared fairly, none once the decodes fill it."""
-    if not config.num_speculative_tokens:
+def draft_share(scheduler) -> int:
+    """Draft tokens per decoding sequence this step: DRAFT_ROWS shared fairly, none once the decodes fill it.
+    Called as each step is scheduled, it also clears the last step's record of drafts (the live page's)."""
+    scheduler.verified = {}  # request id -> (draft tokens, accepted), filled by verify
+    k = scheduler.config.num_speculative_tokens
+    if not k:
         return 0
-    decoding = sum(not s.is_prefilling for s in running) or 1
-    return max(0, min(config.num_speculative_tokens, (DRAFT_ROWS - decoding) // decoding))
+    decoding = sum(not s.is_prefilling for s in scheduler.running) or 1
+    return max(0, min(k, (DRAFT_ROWS - decoding) // decoding))
 
 
 def propose(seq: Sequence, scheduler) -> list[int]:
@@ -82,11 +85,12 @@ def verify(engine, seq: Sequence, token: int, rows: torch.Tensor) -> list:
     for proposed, row in zip(draft, rows):
         if seq.status is Status.FINISHED or token != proposed:
             break
-        seq.num_computed_tokens += 1
+        seq.num_computed_tokens += 1  # each accepted draft's output is appended below: len(outputs) accepted
         engine.num_accepted_tokens += 1
         (token,), (logprob,), (error,) = sample(row[None], [seq])
         outputs.append(engine._append_token(seq, token, logprob) if error is None else engine._fail(seq, error))
     engine.num_draft_tokens += len(draft)
+    engine.scheduler.verified[seq.request_id] = (len(draft), len(outputs))
     keep = -(-seq.num_computed_tokens // engine.config.block_size)  # empty when finished
     engine.block_manager.free(seq.block_table[keep:])
     del seq.block_table[keep:]
