@@ -378,3 +378,15 @@ def test_step_events_mark_draft_rows(smollm2_shapes):
     assert sum(lane["accepted"] for lane in drafted) == llm.num_accepted_tokens > 0
     for before, lane in zip(lanes, lanes[1:]):
         assert lane["kv"] == before["kv"] + lane["tokens"] - lane.get("drafts", 0) + lane.get("accepted", 0)
+
+
+def test_page_marks_draft_rows(server, browser):
+    # A lane that computed draft rows is drawn framed and says accepted/proposed; render draws it without error.
+    d = browser
+    open_page(d, server)
+    got = d.execute_script("""const lane = {id: "spec", kind: "decode", tokens: 5, kv: 50, drafts: 4, accepted: 2};
+onStep({step: 2e6, t: 0, ms: 5, budget: 512, batch_tokens: 5, lanes: [lane], preempted: [], running: 1, waiting: 0,
+        swapped: 0, preemptions: 0, generated: 3, kv: {blocks: 8, free: 4, cached: 0, cached_ids: [], swap_used: 0}});
+render();
+return cell(lane);""")
+    assert "draft" in got[0].split() and "+5 (2/4 drafts)" in got[1]
