@@ -59,8 +59,8 @@ def draft_share(scheduler) -> int:
 
 def propose(seq: Sequence, scheduler) -> list[int]:
     """Set decoding sequence seq's draft for this step: its share of draft tokens within the step's token budget,
-    none past what max_tokens leaves after the token this step samples anyway, and only if the blocks it needs are
-    free (a draft never preempts)."""
+    none past what max_tokens leaves after the token this step samples anyway, and only into blocks that are free
+    (a draft never preempts)."""
     c = scheduler.config
     left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1
     k = min(scheduler.drafts, scheduler.budget - 1, left)
@@ -68,8 +68,10 @@ def propose(seq: Sequence, scheduler) -> list[int]:
         return []
     if seq.ngrams is None:
         seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-    draft = seq.ngrams.propose(seq.token_ids, k)
-    if scheduler.blocks.can_allocate(seq.block_table, seq.num_computed_tokens + 1 + len(draft)):
+    draft, blocks = seq.ngrams.propose(seq.token_ids, k), scheduler.blocks
+    # A block for each running sequence stays free besides: drafts must not push a later decode into preempting.
+    if blocks.blocks_needed(seq.block_table, seq.num_computed_tokens + 1 + len(draft)) + len(scheduler.running) \
+            <= blocks.num_free_blocks:
         seq.draft = draft
     return seq.draft
 
