@@ -66,7 +66,8 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
     swapped_in = {id(seq) for seq in out.swapped_in}
 
     def lane(seq: Sequence, n: int) -> dict:
-        drafts, accepted = getattr(s, "verified", {}).get(seq.request_id, (0, 0)) if n else (0, 0)  # speculation.verify's record
+        # Its draft rows and how many were accepted: speculation.verify's record.
+        drafts, accepted = getattr(s, "verified", {}).get(seq.request_id, (0, 0)) if n else (0, 0)
         before = seq.num_computed_tokens - (n - drafts + accepted)  # the tokens it had computed when the step began
         kind = "idle" if n == 0 else "prefill" if n - drafts > 1 or before < seq.num_prompt_tokens else "decode"
         d = {"id": seq.request_id, "kind": kind, "tokens": n, "kv": seq.num_computed_tokens,
