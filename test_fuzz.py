@@ -251,8 +251,8 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
 
 
 # Besides the drawn examples, two that surely preempt, two aborts in a static batch, and one with
-# speculation. In the first,
-# 7 requests of 60-120 tokens need more than 24 blocks: the swap space (8 blocks) takes the first victims,
+# speculation. In the first, 7 requests of 60-120 tokens need more than 24 blocks: the swap space (8 blocks)
+# takes the first victims,
 # and the second abort hits a swapped-out sequence. In the second, three prompts of about 190 tokens need
 # 3 * 14 blocks: recomputed over and over, and the abort hits a waiting one. In the third, a static batch's
 # short request has finished, its output held until the batch ends, when the abort hits it. In the fourth,
