@@ -66,6 +66,7 @@ def mixed(rng: random.Random, count: int) -> list[tuple[list[int], SamplingParam
             for i in range(count)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lanes", [1, 4, 64])
 def test_same_outputs_with_and_without_speculation(smollm2_shapes, lanes):
     rng = random.Random(lanes)
@@ -86,6 +87,7 @@ def smollm2():
     return engines, prompt
 
 
+@pytest.mark.slow
 def test_stops_and_max_tokens_inside_an_accepted_run(smollm2):
     # A stop token, a stop string and max_tokens each end the output on a token that came as an accepted draft,
     # with further accepted drafts of its step dropped.
@@ -108,6 +110,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run(smollm2):
     check(dict(max_tokens=inside[len(inside) // 2] + 1), lambda last: last in inside)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_on_the_real_model(smollm2):
     engines, prompt = smollm2
     params = SamplingParams(temperature=0.3, seed=5, max_tokens=50, logprobs=2, top_p=0.9, repetition_penalty=1.05)
@@ -115,6 +118,7 @@ def test_seeded_sampling_on_the_real_model(smollm2):
     assert engines[6].accepted["0"] and engines[6].num_draft_tokens > engines[6].num_accepted_tokens  # rejections
 
 
+@pytest.mark.slow
 def test_prefix_caching_preemption_and_static_batching(smollm2_shapes):
     rng = random.Random(16)
     system = looping(rng, 100)
