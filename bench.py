@@ -37,6 +37,15 @@ from serve import Server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Request {i}: write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+# --workload repeat: the output repeats the input with one change, as edit, rewrite and retrieval prompts do (where
+# speculative decoding's n-gram drafts, looked up in the prompt, are accepted).
+REPEAT_PROMPT = ("Request {i}: repeat this function word for word, with the variable total renamed to acc:\n\n"
+                 "def mean_and_spread(values):\n    total = 0\n    for v in values:\n        total += v\n"
+                 "    mean = total / len(values)\n    spread = 0\n    for v in values:\n"
+                 "        spread += (v - mean) ** 2\n    return mean, (spread / len(values)) ** 0.5\n\n"
+                 "Then repeat this paragraph word for word, with Monday changed to Tuesday: The library opens at "
+                 "nine on Monday and closes at six in the evening. Members may borrow up to five books at a time, "
+                 "and books are due back within three weeks. Late returns cost ten cents a day.")
 # vLLM's benchmark_serving table: its metric names, section titles and statistics ("Median" is p50 in the JSON).
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
@@ -96,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--compare-static", action="store_true", help="also run everything against a static-batching server")
     a("--offline", action="store_true", help="offline throughput through LLM.generate's step loop, no HTTP")
     a("--concurrency", type=pos, nargs="+", default=[1, 4, 16, 64], help="client counts to sweep")
+    a("--workload", choices=["chat", "repeat"], default="chat", help="the sweep's prompt: chat (write a story) or "
+      "repeat (repeat a function and a paragraph with one change: where speculative decoding pays)")
     a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos)")
     a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
     a("--warmup", type=count, default=2, help="unmeasured requests before measuring")
@@ -407,7 +418,8 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
             if time.perf_counter() >= until:
                 return
             reqs.append(r := Request("sweep", args.max_tokens))
-            await stream_one(client, model, r, PROMPT.format(i=c * args.requests_per_client + k), args, t0)
+            prompt = REPEAT_PROMPT if args.workload == "repeat" else PROMPT
+            await stream_one(client, model, r, prompt.format(i=c * args.requests_per_client + k), args, t0)
             bar.update()
 
     async def watch_server() -> None:  # what the server says it runs: its batch size and preemptions
@@ -431,6 +443,12 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
     metrics = summarize(reqs, duration, args)
     running = [m["vllm:num_requests_running"] for m in samples if "vllm:num_requests_running" in m]
     preempted = [m["vllm:num_preemptions_total"] for m in samples if "vllm:num_preemptions_total" in m]
+    counts = {k: [m[f"vllm:{k}_total"] for m in samples if f"vllm:{k}_total" in m]
+              for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "generation_tokens")}
+    drafts, accepted, generated = (v[-1] - v[0] if v else 0 for v in counts.values())
+    metrics |= {"spec_acceptance": accepted / drafts if drafts else None,  # speculation: drafts accepted
+                # tokens a sequence gets per step it decodes in: 1 + accepted drafts per step
+                "spec_tokens_per_step": generated / (generated - accepted) if drafts and generated > accepted else None}
     metrics |= {"server_running_mean": float(np.mean(running)) if running else None,
                 "server_running_max": int(max(running)) if running else None,
                 "server_preemptions": int(preempted[-1] - preempted[0]) if preempted else None}
@@ -641,14 +659,17 @@ def print_report(report: dict, args) -> None:
                 ("Total Token throughput (tok/s)", "total_token_throughput"),  # vLLM's capital T
                 ("Per-request output throughput (tok/s)", "per_request_output_throughput"),
                 ("Running requests, server (mean)", "server_running_mean"),  # sampled at /metrics
-                ("Running requests, server (max)", "server_running_max"), ("Preemptions, server", "server_preemptions")]
+                ("Running requests, server (max)", "server_running_max"), ("Preemptions, server", "server_preemptions"),
+                ("Draft acceptance, server", "spec_acceptance"),
+                ("Tokens per sequence-step, server", "spec_tokens_per_step")]
         rows += [("Request goodput (req/s)", "goodput")] if args.slo_ttft or args.slo_tpot else []
         for name, label, section in METRICS:
             rows += [(section, None)] + [(f"{s} {label} (ms)", f"{k}_{name}_ms") for k, s in STATS]
         print(f"\n{' Serving Benchmark Result ':=^{w + 14 * len(cols)}}")
         print(f"Server: {server}; model {report['config'].get('served_model')}")
         n = args.requests_per_client
-        print(f"Workload: each client sends {'1 request' if n == 1 else f'{n} requests one after another'} of "
+        print(f"Workload: {args.workload}; each client sends "
+              f"{'1 request' if n == 1 else f'{n} requests one after another'} of "
               f"{args.max_tokens} output tokens (ignore_eos), temperature {args.temperature:g}")
         for i, head in enumerate(heads):
             print(f"{'Concurrency (clients)' if i == 0 else 'Batching':<{w}}" + "".join(f"{h:>14}" for h in head))

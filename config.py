@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from sequence import require, typed
+from speculation import speculative_config
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -19,8 +20,7 @@ def knob(default, help: str, **cli):
 @dataclass
 class EngineConfig:
     model: str = knob(DEFAULT_MODEL, "preset (see weights.PRESETS), HF repo id or checkpoint path")
-    model_path: str | None = knob(None, "checkpoint for --model: a .gguf file or a Hugging Face directory",
-                                  type=str)
+    model_path: str | None = knob(None, "checkpoint for --model: a .gguf file or a Hugging Face directory", type=str)
     dummy_weights: bool = knob(False, "random weights in the preset's shapes (for benchmarking)")
     device: str = knob("auto", "cpu, cuda or cuda:N; auto: CUDA when available")
     dtype: str = knob("auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units, "
@@ -52,12 +52,15 @@ class EngineConfig:
     chat_template: str | None = knob(None, "a Jinja chat template file to use instead of the checkpoint's", type=str)
     generation_config: str = knob("auto", "auto: a Hugging Face checkpoint's generation_config.json (else a "
                                           "preset's model card) sets the defaults of sampling fields requests "
-                                          "leave out; vllm: neither does",
-                                  choices=["auto", "vllm"])
+                                          "leave out; vllm: neither does", choices=["auto", "vllm"])
     torch_threads: int | None = knob(None, "torch intra-op threads (default: torch's, one per core; with tensor "
                                            "parallelism on CPU, the cores shared among the ranks)", type=int)
     tensor_parallel_size: int = knob(1, "split the model across this many GPUs (NCCL) or CPU processes (gloo), "
                                         "Megatron-style; under torchrun, the processes it starts")
+    num_speculative_tokens: int = knob(0, "n-gram (prompt lookup) speculative decoding, output bit for bit "
+                                          "unchanged: most draft tokens per sequence and step; 0: off")
+    prompt_lookup_max: int = knob(4, "speculation: longest n-gram of a sequence's last tokens looked up in it")
+    prompt_lookup_min: int = knob(2, "speculation: shortest such n-gram")
     trace: bool = False  # keep a per-step trace of the scheduled sequences (tests, teaching); not a flag
 
     def __post_init__(self):
@@ -65,8 +68,7 @@ class EngineConfig:
         require([typed(f.name, getattr(self, f.name), f.metadata.get("type", type(f.default)), f.default is None)
                  for f in fields(self) if "help" in f.metadata])
         cores = os.cpu_count() or 1
-        require([
-            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+        require([(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two, got {self.block_size}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= self.block_size,
@@ -82,6 +84,8 @@ class EngineConfig:
             (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:[0-9]+", self.device) is not None,
              f"unknown device {self.device!r} (auto, cpu, cuda or cuda:N)"),
             (self.seed >= 0, "seed must be >= 0"),
+            (self.num_speculative_tokens >= 0 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             "num_speculative_tokens must be >= 0 and 1 <= prompt_lookup_min <= prompt_lookup_max"),
             (self.torch_threads is None or 1 <= self.torch_threads <= cores,
              f"torch_threads must be in [1, {cores}] (this machine's cores)"),
             (self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"),
@@ -108,9 +112,11 @@ def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None
         group.add_argument(flag, type=f.metadata.get("type", type(default)), default=default,
                            choices=f.metadata.get("choices"),
                            help=f.metadata["help"] + ("" if default is None else f" (default {default})"))
+    group.add_argument("--speculative-config", type=speculative_config, help=speculative_config.__doc__)
 
 
 def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The config a command line asked for (None: the field's default); ValueError names a bad knob."""
     given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
+    given |= getattr(args, "speculative_config", None) or {}
     return EngineConfig(**{**given, **overrides})

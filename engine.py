@@ -17,6 +17,7 @@ from runner import ModelRunner
 from sampler import TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status, require
+from speculation import verify
 from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer, read_chat_template
 
 
@@ -76,8 +77,9 @@ class Engine:
         self.trace: list[list[SeqStep]] = []
         self.on_step = None  # called after each step with (engine, SchedulerOutput, outputs, seconds): events.py
         self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
-        self.num_prompt_tokens = 0      # prompt tokens run through the model (cache hits excluded)
-        self.num_generation_tokens = 0
+        # Prompt tokens run through the model (cache hits excluded), generated tokens, and speculation's draft tokens
+        # proposed and accepted.
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges for the server's /metrics."""
@@ -86,7 +88,8 @@ class Engine:
                 "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks, "num_kv_blocks": bm.num_blocks,
                 "num_preemptions": s.num_preemptions,
                 "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
-                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens}
+                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+                "spec_decode_draft_tokens": self.num_draft_tokens, "spec_decode_accepted_tokens": self.num_accepted_tokens}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -149,22 +152,21 @@ class Engine:
         began = time.perf_counter()
         if self.failure:
             raise WorkerFailure(self.failure)
-        ended = []  # static mode: aborts ended the batch; what it held goes out before the next batch starts
-        if self.held and not self.scheduler.running:
-            ended, self.held = self.held, []
+        # Static mode: aborts ended the batch; what it held goes out before the next batch starts.
+        ended, self.held = (self.held, []) if self.held and not self.scheduler.running else ([], self.held)
         out = self.scheduler.schedule()
         sampled = self.runner.run(out.scheduled, out.swap_out, out.swap_in)
         if not out.scheduled:
             return ended
         for seq, n in out.scheduled:
-            if seq.queue_time is None:
-                seq.queue_time = time.monotonic() - seq.arrival_time
+            seq.queue_time = time.monotonic() - seq.arrival_time if seq.queue_time is None else seq.queue_time
             begin, prompt_end = seq.num_computed_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
             self.num_prompt_tokens += max(0, prompt_end - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)
-            seq.num_computed_tokens += n
-        outputs = [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error)
-                   for seq, token, logprob, error in sampled]
+            seq.num_computed_tokens += n - len(seq.draft)  # a draft's K/V counts once verified
+        outputs = [out for seq, token, logprob, error, drafts in sampled for out in  # then its drafts, verified
+                   [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error),
+                    *verify(self, seq, token, drafts)]]
         if self.on_step:
             self.on_step(self, out, outputs, time.perf_counter() - began)
         if self.config.trace:
@@ -182,8 +184,7 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
-        delta = ""
-        reason = stop_reason = None
+        delta, reason, stop_reason = "", None, None
         if token in seq.stop_ids:
             reason, stop_reason = "stop", None if token == self.tokenizer.eos_id else token
         else:  # an ignored EOS too: its text goes out unless skip_special_tokens (the default) drops it
@@ -192,8 +193,7 @@ class Engine:
                 delta = seq.detokenizer.feed(token, len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens)
             except Exception as e:  # a tokenizer bug fails this request, not its neighbours
                 return self._fail(seq, f"detokenizing failed ({type(e).__name__}: {e})")
-            if seq.detokenizer.stopped:
-                reason = "stop"
+            reason = "stop" if seq.detokenizer.stopped else None
         if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -202,9 +202,8 @@ class Engine:
                 delta += seq.detokenizer.flush()
                 reason = "stop" if seq.detokenizer.stopped else reason  # the last character completed one
             self._finish(seq)
-        if stop_reason is None:
-            stop_reason = seq.detokenizer.stopped
-        return self._output(seq, delta, reason, logprob, stop_reason=stop_reason)
+        stopped = seq.detokenizer.stopped
+        return self._output(seq, delta, reason, logprob, None, stopped if stop_reason is None else stop_reason)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self._finish(seq)

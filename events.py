@@ -66,12 +66,16 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
     swapped_in = {id(seq) for seq in out.swapped_in}
 
     def lane(seq: Sequence, n: int) -> dict:
-        before = seq.num_computed_tokens - n  # the tokens it had computed when the step began
-        kind = "idle" if n == 0 else "prefill" if n > 1 or before < seq.num_prompt_tokens else "decode"
+        # Its draft rows and how many were accepted: speculation.verify's record.
+        drafts, accepted = getattr(s, "verified", {}).get(seq.request_id, (0, 0)) if n else (0, 0)
+        before = seq.num_computed_tokens - (n - drafts + accepted)  # the tokens it had computed when the step began
+        kind = "idle" if n == 0 else "prefill" if n - drafts > 1 or before < seq.num_prompt_tokens else "decode"
         d = {"id": seq.request_id, "kind": kind, "tokens": n, "kv": seq.num_computed_tokens,
              "blocks": list(seq.block_table)}
         if n and before == seq.num_cached_tokens > 0:
             d["hit"] = seq.num_cached_tokens
+        if drafts:  # its draft rows this step, and how many were accepted
+            d["drafts"], d["accepted"] = drafts, accepted
         if id(seq) in swapped_in:
             d["swapped_in"] = True
         if seq.request_id in finished:

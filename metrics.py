@@ -45,7 +45,10 @@ def prometheus_text(model_name: str, stats: dict[str, float], alive: bool, ttft:
             ("prompt_tokens_total", "counter", "prompt_tokens", "Prompt tokens computed."),
             ("generation_tokens_total", "counter", "generation_tokens", "Tokens generated."),
             ("prefix_cache_queries_total", "counter", "prefix_cache_queries", "Prompt tokens looked up."),
-            ("prefix_cache_hits_total", "counter", "prefix_cache_hits", "Prompt tokens found cached.")]:
+            ("prefix_cache_hits_total", "counter", "prefix_cache_hits", "Prompt tokens found cached."),
+            ("spec_decode_num_draft_tokens_total", "counter", "spec_decode_draft_tokens", "Draft tokens proposed."),
+            ("spec_decode_num_accepted_tokens_total", "counter", "spec_decode_accepted_tokens",
+             "Draft tokens accepted.")]:
         lines += [f"# HELP vllm:{name} {text}", f"# TYPE vllm:{name} {kind}",
                   f"vllm:{name}{{{label}}} {stats.get(key, 0)}"]
     if "num_kv_blocks" in stats:  # vLLM's: the KV cache's settings as labels, the value always 1

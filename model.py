@@ -161,8 +161,7 @@ class Transformer(nn.Module):
     """The decoder. With tp_size > 1 its blocks hold one rank's shard, and all_reduce (set by the runner)
     adds the ranks' partial outputs; the embedding and LM head stay whole on every rank."""
 
-    def __init__(self, config: ModelConfig, max_model_len: int, device: torch.device | str = "cpu",
-                 tp_size: int = 1):
+    def __init__(self, config: ModelConfig, max_model_len: int, device: torch.device | str = "cpu", tp_size: int = 1):
         super().__init__()
         self.config = config
         # Given its (meta) weight, the embedding skips reset_parameters, which on the meta device would

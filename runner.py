@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,20 +39,21 @@ class StepBatch:
         """The batch, and the sequences sampled this step (those whose piece reaches their last token)."""
         scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
         input_ids, positions, slot_mapping, block_tables, context_lens = [], [], [], [], []
-        sample_rows, sampled = [], []
+        sample_rows, draft_rows, sampled = [], [], []
         for seq, n in scheduled:
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[begin:end]
+            input_ids += seq.token_ids[begin:end] + seq.draft
             positions += range(begin, end)
             slot_mapping += slots(seq.block_table, block_size, begin, end)
             block_tables.append(seq.block_table)
             context_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            if end == seq.num_tokens + len(seq.draft):  # the drafts' rows after every sequence's first
+                sample_rows.append(len(input_ids) - 1 - len(seq.draft))
+                draft_rows += range(len(input_ids) - len(seq.draft), len(input_ids))
                 sampled.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
-        return cls(input_ids, positions, slot_mapping, tables, context_lens, sample_rows,
+        return cls(input_ids, positions, slot_mapping, tables, context_lens, sample_rows + draft_rows,
                    [n for _, n in scheduled], [seq.num_prompt_tokens for seq, _ in scheduled]), sampled
 
     def to_device(self, dev: torch.device, sampling: bool = True) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
@@ -113,8 +115,7 @@ class ModelRunner:
         if c.dummy_weights:
             if model_config is None and c.model not in weights.PRESETS:
                 raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
-            self.model_config = model_config or weights.PRESETS[c.model]
-            self.checkpoint_path = None
+            self.model_config, self.checkpoint_path = model_config or weights.PRESETS[c.model], None
             state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device, self.rank, tp_size)
         else:
             self.checkpoint_path = weights.resolve_checkpoint(c.model, c.model_path)
@@ -195,9 +196,10 @@ class ModelRunner:
         return peak
 
     def run(self, scheduled: list[tuple[Sequence, int]], swap_out: list[tuple[int, int]] = (),
-            swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None]]:
+            swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None, Any]]:
         """One step: build the batch, broadcast it to the other ranks, forward it, sample: each sampled sequence's
-        next token or why sampling failed. Failing is fatal under tensor parallelism (WorkerFailure)."""
+        next token or why sampling failed, and its drafts' logits. Failing is fatal under tensor parallelism
+        (WorkerFailure)."""
         batch, sampled = StepBatch.build(scheduled, self.config.block_size) if scheduled else (None, [])
         try:
             if self.tp:
@@ -207,7 +209,8 @@ class ModelRunner:
             if self.tp:
                 raise self.tp.fail(e) from e
             raise
-        return list(zip(sampled, *sample(logits, sampled))) if batch else []
+        n, drafts = len(sampled), [len(s.draft) for s in sampled]  # the drafts' rows come after every sequence's first
+        return list(zip(sampled, *sample(logits[:n], sampled), logits[n:].split(drafts))) if batch else []
 
     def forward(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                 batch: StepBatch | None) -> torch.Tensor | None:

@@ -18,8 +18,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None],
-                                                               list[str | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None], list[str | None]]:
     """Next token per sequence: plain greedy rows by one batched max (the first maximal index, as argmax;
     widening bfloat16 first would be exact, so it changes no order); the rest each on its own row in float32,
     drawn from its own generator so that a seeded request draws the same numbers whatever batch it is in. A row

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from config import EngineConfig
 from kv_cache import BlockManager
 from sequence import Sequence, Status
+from speculation import draft_share, propose
 
 
 @dataclass
@@ -32,9 +33,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.num_preemptions = 0
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0     # ... and served from it
+        # Preemptions, prompt tokens looked up in the prefix cache, and those served from it.
+        self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
         self.budget = 0          # tokens this step may still compute, reset by schedule()
 
     def add(self, seq: Sequence) -> None:
@@ -49,6 +49,7 @@ class Scheduler:
         order, while the token budget, max_num_seqs and free KV blocks allow."""
         out = SchedulerOutput([], [], [])
         self.budget = self.config.max_num_batched_tokens
+        self.drafts = draft_share(self)  # per decoding sequence
         preemptions = self.num_preemptions
         if self.config.scheduling == "static" and not self.running and not self.swapped:
             self._admit_static_batch()
@@ -81,8 +82,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Start a waiting sequence: share what the prefix cache holds, then compute the first piece of
         the rest. False (and nothing held) if it does not fit."""
-        cached = self.blocks.match_prefix(seq.block_table, seq.token_ids[:seq.num_prompt_tokens],
-                                          seq.params.cache_salt)
+        cached = self.blocks.match_prefix(seq.block_table, seq.token_ids[:seq.num_prompt_tokens], seq.params.cache_salt)
         n = self._cut(seq, cached)
         if n == 0 or not self.blocks.can_allocate(seq.block_table, cached + n):
             self.blocks.free(seq.block_table)
@@ -113,10 +113,9 @@ class Scheduler:
         waits for a step with room for all of it; only a sequence recomputed after preemption can be
         longer than the budget, and it is chunked. Cuts can fall anywhere: no token's result depends
         on where its prompt was cut (ARCHITECTURE.md, "Lanes never mix")."""
-        n = seq.num_tokens - computed
-        if n <= self.budget:
-            return n
-        return 0 if not self.config.enable_chunked_prefill and n <= self.config.max_num_batched_tokens else self.budget
+        n, c = seq.num_tokens - computed, self.config
+        return n if n <= self.budget else \
+            0 if not c.enable_chunked_prefill and n <= c.max_num_batched_tokens else self.budget
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Run n more of seq's tokens this step, in blocks the caller checked are free."""
@@ -139,6 +138,7 @@ class Scheduler:
             self.preempt(victim, out)
             if victim is seq:
                 return
+        n += len(propose(seq, self)) if n == 1 and self.drafts else 0
         self._schedule(seq, n, out)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

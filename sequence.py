@@ -64,8 +64,7 @@ class SamplingParams:
                  (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                  (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
-                 (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-                 (self.max_tokens >= 1, "max_tokens must be >= 1"),
+                 (0 <= self.min_p <= 1, "min_p must be in [0, 1]"), (self.max_tokens >= 1, "max_tokens must be >= 1"),
                  (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
                  (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
@@ -105,6 +104,8 @@ class Sequence:
     queue_time: float | None = None  # seconds from arrival_time to its first step
     generator: Any = None    # the sequence's own torch.Generator, so its samples ignore its neighbours
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens, after token_ids (speculation.py)
+    ngrams: Any = None  # speculation.NgramIndex
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -63,6 +63,17 @@ def test_sweep_and_mixed_probe(tmp_path, capsys):
         assert label in out
 
 
+@pytest.mark.slow
+def test_repeat_workload_with_speculation(tmp_path, capsys):
+    rc, report, out, err = run([*SMALL, "--concurrency", "1", "--max-tokens", "8", "--requests-per-client", "1",
+                                "--warmup", "0", "--workload", "repeat", "--speculative-config",
+                                '{"method": "ngram", "num_speculative_tokens": 4}'], tmp_path, capsys)
+    assert rc == 0, err
+    assert report["config"]["engine"]["continuous"]["num_speculative_tokens"] == 4
+    assert report["runs"]["continuous"]["sweep"][0]["metrics"]["completed"] == 1
+    assert "Workload: repeat" in out and "Draft acceptance, server" in out and "Tokens per sequence-step" in out
+
+
 def test_help_opens_with_the_two_ways_to_run_it(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
@@ -412,6 +423,10 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
     (["--base-url", "http://x", "--temperature", "2.5"], "--temperature: 2.5 must be finite and >= 0 and <= 2"),
     (["--base-url", "http://x", "--dummy-weights", "--num-kv-blocks", "4", "--model", "m"],
      "--dummy-weights, --num-kv-blocks: not for --base-url"),
+    (["--speculative-config", '{"method": "eagle"}'], "argument --speculative-config: a JSON object with"),
+    (["--speculative-config", "{8}"], "argument --speculative-config: not JSON"),
+    (["--speculative-config", '{"num_speculative_tokens": -1}'], "num_speculative_tokens must be >= 0"),
+    (["--workload", "poem"], "argument --workload: invalid choice"),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

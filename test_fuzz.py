@@ -102,6 +102,7 @@ KNOBS = st.fixed_dictionaries(dict(
     max_num_seqs=st.sampled_from([4, 12, 32, 64]),
     enable_prefix_caching=st.sampled_from([True, False]),
     scheduling=st.sampled_from(["continuous", "continuous", "static"]),
+    num_speculative_tokens=st.sampled_from([0, 0, 4]),  # the lone runs are without: drafts must change nothing
     preemption=st.sampled_from([("swap", 0.0004), ("recompute", 4.0), ("swap", 0.05), ("swap", 0.0)])))
 
 ENGINES: OrderedDict[tuple, LLM] = OrderedDict()  # a drained engine serves the next example of its knobs
@@ -249,8 +250,9 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
                False, True)
 
 
-# Besides the drawn examples, two that surely preempt, and two aborts in a static batch. In the first,
-# 7 requests of 60-120 tokens need more than 24 blocks: the swap space (8 blocks) takes the first victims,
+# Besides the drawn examples, two that surely preempt, two aborts in a static batch, and one with
+# speculation. In the first, 7 requests of 60-120 tokens need more than 24 blocks: the swap space (8 blocks)
+# takes the first victims,
 # and the second abort hits a swapped-out sequence. In the second, three prompts of about 190 tokens need
 # 3 * 14 blocks: recomputed over and over, and the abort hits a waiting one. In the third, a static batch's
 # short request has finished, its output held until the batch ends, when the abort hits it. In the fourth,
@@ -274,6 +276,12 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
                                      enable_prefix_caching=False, preemption=("recompute", 4.0),
                                      scheduling="static"),
          schedule=[([pinned(20, 0, 8), pinned(20, 1, 2)], 3, 0)])
+# Speculation beside preemption, swap, the prefix cache and an abort (drafts are accepted: greedy loops).
+@example(dtype="bfloat16", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=12,
+                                      enable_prefix_caching=True, preemption=("swap", 0.0004),
+                                      scheduling="continuous", num_speculative_tokens=4),
+         schedule=[([pinned(100, 0), pinned(110, 1, 20), pinned(120, 2, prefix=0)], 2, None),
+                   ([pinned(100, 3, 23, prefix=0), pinned(60, 4, 12, 0.7), pinned(30, 5)], 4, 1)])
 @fuzz_settings
 @given(dtype=st.sampled_from(MODES), knobs=KNOBS, schedule=SCHEDULES)
 def lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
@@ -281,6 +289,7 @@ def lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
     knobs["preemption_mode"], knobs["swap_space"] = knobs.pop("preemption")
     key = (dtype, *sorted(knobs.items()))
     llm = cached_engine(smollm2_shapes, key, dtype=dtype, **knobs)
+    accepted = llm.num_accepted_tokens
     try:
         runs, finished, aborted = drive(llm, operations(schedule))
     except BaseException:
@@ -295,6 +304,7 @@ def lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
     TALLY[f"examples {dtype}"] += 1
     TALLY["requests"] += len(runs)
     TALLY["aborted"] += len(aborted)
+    TALLY["accepted drafts"] += llm.num_accepted_tokens - accepted
 
 
 def test_lanes_never_mix_fuzzed(smollm2_shapes):
@@ -305,5 +315,5 @@ def test_lanes_never_mix_fuzzed(smollm2_shapes):
     print(dict(TALLY))
     for path in (*(f"examples {m}" for m in MODES), "preemptions recompute", "preemptions swap", "swapped",
                  "preempted after decoding", "prefix hits", "abort running", "abort waiting", "abort swapped",
-                 "abort held"):
+                 "abort held", "accepted drafts"):
         assert TALLY[path] > 0, path

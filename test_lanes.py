@@ -136,3 +136,21 @@ def test_lanes_in_an_engine_of_few_sequences(smollm2_shapes, shared_prefixes, mo
         assert {m.isa for m in kernels} == {cpu_matmul.isa()} and len(kernels) == 2 * 4 + 1  # 2 layers of 4, LM head
         assert run(llm, shared_prefixes) == alone(engine(smollm2_shapes, mode, max_num_batched_tokens=512),
                                                   shared_prefixes)
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_lanes_with_speculation_equal_lanes_alone_without(smollm2_shapes, shared_prefixes, mode):
+    # Drafts computed in a lane's spare rows and verified change none of its bits: 64 lanes together (drafts as
+    # lanes finish), prefix caching, recompute and swap, against each request alone with speculation off.
+    rng = random.Random(64)
+    requests = [(random_prompt(rng, rng.randint(3, 60)), greedy(rng.randint(10, 30))) for _ in range(64)]
+    llm = engine(smollm2_shapes, mode, max_num_seqs=64, max_num_batched_tokens=256, num_speculative_tokens=4)
+    assert run(llm, requests) == alone(engine(smollm2_shapes, mode), requests)
+    assert llm.num_accepted_tokens > 0
+    expected = alone(engine(smollm2_shapes, mode), shared_prefixes)
+    for knobs in (dict(enable_prefix_caching=True, max_num_batched_tokens=32),
+                  *(dict(num_kv_blocks=24, max_num_batched_tokens=64, preemption_mode=p, swap_space=0.05)
+                    for p in ("recompute", "swap"))):
+        llm = engine(smollm2_shapes, mode, num_speculative_tokens=4, **knobs)
+        assert run(llm, shared_prefixes) == expected, knobs
+        assert llm.num_accepted_tokens > 0, knobs

@@ -357,3 +357,36 @@ def test_lane_colours_keep_away_from_the_kv_legends(server, browser):
     assert len(legend) == 2 and abs(legend[0] - 180) < 5 and abs(legend[1] - 280) < 5  # cyan and purple
     assert all(min(abs(h - x), 360 - abs(h - x)) >= 35 for h in hues for x in legend)
     assert len(set(hues[:8])) == 8 and len(set(hues)) > 60  # still many distinct lane colours
+
+
+def test_step_events_mark_draft_rows(smollm2_shapes):
+    # Speculation: a decode lane's event says how many draft rows it computed and how many were accepted, and
+    # its KV grows by the accepted ones only.
+    import random
+
+    import test_speculation
+    from sequence import SamplingParams
+    llm = test_speculation.engine(smollm2_shapes, 4)
+    seen = []
+    llm.on_step = lambda engine, out, outputs, seconds: seen.append(
+        events.step_event(len(seen), engine, out, outputs, seconds))
+    llm.generate([test_speculation.looping(random.Random(4), 30)],
+                 SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    lanes = [e["lanes"][0] for e in seen]
+    drafted = [lane for lane in lanes if lane.get("drafts")]
+    assert drafted and all(lane["kind"] == "decode" for lane in lanes[1:])
+    assert sum(lane["accepted"] for lane in drafted) == llm.num_accepted_tokens > 0
+    for before, lane in zip(lanes, lanes[1:]):
+        assert lane["kv"] == before["kv"] + lane["tokens"] - lane.get("drafts", 0) + lane.get("accepted", 0)
+
+
+def test_page_marks_draft_rows(server, browser):
+    # A lane that computed draft rows is drawn framed and says accepted/proposed; render draws it without error.
+    d = browser
+    open_page(d, server)
+    got = d.execute_script("""const lane = {id: "spec", kind: "decode", tokens: 5, kv: 50, drafts: 4, accepted: 2};
+onStep({step: 2e6, t: 0, ms: 5, budget: 512, batch_tokens: 5, lanes: [lane], preempted: [], running: 1, waiting: 0,
+        swapped: 0, preemptions: 0, generated: 3, kv: {blocks: 8, free: 4, cached: 0, cached_ids: [], swap_used: 0}});
+render();
+return cell(lane);""")
+    assert "draft" in got[0].split() and "+5 (2/4 drafts)" in got[1]

@@ -5,6 +5,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -259,3 +260,20 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
     assert not torch.distributed.is_initialized()
+
+
+def test_tp_with_speculation(preset):
+    # Drafts travel in the step's broadcast: under TP=2, outputs are the same with and without speculation.
+    import test_speculation
+    requests, model, got = test_speculation.mixed(random.Random(2), 6), preset(4), []
+    requests += [(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=1))
+                 for prompt in PROMPTS]
+    for k in (0, 4):  # one tensor-parallel engine per process at a time
+        llm = LLM(model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32",
+                  tensor_parallel_size=2, num_speculative_tokens=k)
+        try:
+            got.append(test_speculation.run(llm, requests))
+        finally:
+            llm.close()
+    assert got[1] == got[0]
+    assert llm.num_accepted_tokens > 0

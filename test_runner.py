@@ -51,8 +51,8 @@ def test_graph_replay_samples_the_right_rows(tiny):
     eager = r.run(scheduled)
     r.graphs = EveryRow()
     replayed = r.run(scheduled)
-    assert [s.request_id for s, _, _, _ in replayed] == ["a", "c"]
-    assert [(s, t, lp.logprob) for s, t, lp, _ in replayed] == [(s, t, lp.logprob) for s, t, lp, _ in eager]
+    assert [s.request_id for s, *_ in replayed] == ["a", "c"]
+    assert [(s, t, lp.logprob) for s, t, lp, *_ in replayed] == [(s, t, lp.logprob) for s, t, lp, *_ in eager]
 
 
 @pytest.mark.parametrize("knobs", [{}, dict(preemption_mode="swap", num_kv_blocks=12),

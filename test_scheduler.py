@@ -234,7 +234,7 @@ def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):
     # forward pass is stubbed: this is about who runs, not what they compute.
     llm = LLM(model=tiny, dummy_weights=True, max_num_seqs=256, max_num_batched_tokens=256, num_kv_blocks=20000,
               dtype="float32", device="cpu")
-    llm.runner.run = lambda scheduled, swap_out, swap_in: [(s, 7, None, None) for s, n in scheduled
+    llm.runner.run = lambda scheduled, swap_out, swap_in: [(s, 7, None, None, None) for s, n in scheduled
                                         if s.num_computed_tokens + n == s.num_tokens]
     for i in range(250):
         llm.add_request([5 + i], SamplingParams(max_tokens=5000, ignore_eos=True))

@@ -1,0 +1,114 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts, exact: a request's tokens and logprobs are bit for bit
+those of plain decoding. The scheduler gives a decoding sequence up to num_speculative_tokens draft tokens, found
+by looking its last tokens up earlier in its own prompt and output; the runner computes them as more query tokens
+of the sequence (each a generated token at its position, so its logits are those a plain decode there would give:
+ARCHITECTURE.md, "Lanes never mix"); the engine samples the positions in order with the sequence's own generator
+and keeps a draft while the sampled token equals it. Drafts use only the rows a step computes almost for free."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from sampler import sample
+from sequence import Sequence, Status
+
+# Query tokens a step may hold at about the cost of one lone decode: the CPU matmul kernel does not pad rows, so
+# this is measured (BENCHMARKS.md, "Speculative decoding"). Decoding lanes share what they leave of it.
+DRAFT_ROWS = 8
+
+
+class NgramIndex:
+    """Where each n-gram (prompt_lookup_min <= n <= prompt_lookup_max) of a sequence's tokens last ended,
+    extended as tokens append: a step indexes only the tokens new since the last, never rescans."""
+
+    def __init__(self, lookup_min: int, lookup_max: int):
+        self.sizes = range(lookup_max, lookup_min - 1, -1)  # longest first
+        self.ends: dict[tuple[int, ...], int] = {}  # an n-gram -> the index just past its latest occurrence
+        self.indexed = 0  # n-grams ending at indices up to this one are in `ends`
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of tokens found."""
+        last = len(tokens) - 1  # the suffix itself ends past `last`: indexed next time, never matched to itself
+        for end in range(self.indexed + 1, last + 1):
+            for n in self.sizes:
+                if n <= end:
+                    self.ends[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, last)
+        for n in self.sizes:
+            if n <= len(tokens) and (end := self.ends.get(tuple(tokens[-n:]))) is not None:
+                # What followed it, continued past the end as the repeat would go on (period len(tokens) - end).
+                draft = tokens[end:end + k]
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - (len(tokens) - end)])
+                return draft
+        return []
+
+
+def draft_share(scheduler) -> int:
+    """Draft tokens per decoding sequence this step: DRAFT_ROWS shared fairly, none once the decodes fill it.
+    Called as each step is scheduled, it also clears the last step's record of drafts (the live page's)."""
+    scheduler.verified = {}  # request id -> (draft tokens, accepted), filled by verify
+    k = scheduler.config.num_speculative_tokens
+    if not k:
+        return 0
+    decoding = sum(not s.is_prefilling for s in scheduler.running) or 1
+    return max(0, min(k, (DRAFT_ROWS - decoding) // decoding))
+
+
+def propose(seq: Sequence, scheduler) -> list[int]:
+    """Set decoding sequence seq's draft for this step: its share of draft tokens within the step's token budget,
+    none past what max_tokens leaves after the token this step samples anyway, and only into blocks that are free
+    (a draft never preempts)."""
+    c = scheduler.config
+    left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1
+    k = min(scheduler.drafts, scheduler.budget - 1, left)
+    if k <= 0:
+        return []
+    if seq.ngrams is None:
+        seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+    draft, blocks = seq.ngrams.propose(seq.token_ids, k), scheduler.blocks
+    # A block for each running sequence stays free besides: drafts must not push a later decode into preempting.
+    if blocks.blocks_needed(seq.block_table, seq.num_computed_tokens + 1 + len(draft)) + len(scheduler.running) \
+            <= blocks.num_free_blocks:
+        seq.draft = draft
+    return seq.draft
+
+
+def verify(engine, seq: Sequence, token: int, rows: torch.Tensor) -> list:
+    """Engine.step's second half for a sequence with drafts, after its first token (`token`) is appended: while the
+    last emitted token equals the next draft, that draft's K/V counts as computed and its row's token is sampled
+    and appended, one draw per emitted token as in plain decoding. Then the blocks taken for rejected drafts go
+    back to the pool."""
+    draft, seq.draft, outputs = seq.draft, [], []
+    if not draft:
+        return []
+    for proposed, row in zip(draft, rows):
+        if seq.status is Status.FINISHED or token != proposed:
+            break
+        seq.num_computed_tokens += 1  # each accepted draft's output is appended below: len(outputs) accepted
+        engine.num_accepted_tokens += 1
+        (token,), (logprob,), (error,) = sample(row[None], [seq])
+        outputs.append(engine._append_token(seq, token, logprob) if error is None else engine._fail(seq, error))
+    engine.num_draft_tokens += len(draft)
+    engine.scheduler.verified[seq.request_id] = (len(draft), len(outputs))
+    keep = -(-seq.num_computed_tokens // engine.config.block_size)  # empty when finished
+    engine.block_manager.free(seq.block_table[keep:])
+    del seq.block_table[keep:]
+    return outputs
+
+
+def speculative_config(text: str) -> dict:
+    """vLLM's JSON form of the speculation knobs: '{"method": "ngram", "num_speculative_tokens": 8,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}'"""  # the --speculative-config flag's help; as EngineConfig fields
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    if not isinstance(spec, dict) or spec.get("method") not in ("ngram", None) or not set(spec) <= known:
+        raise argparse.ArgumentTypeError(f"a JSON object with \"method\": \"ngram\" and any of "
+                                         f"{', '.join(sorted(known - {'method'}))}")
+    spec.pop("method", None)
+    return spec
