@@ -86,10 +86,10 @@ class Engine:
         s, bm = self.scheduler, self.block_manager
         return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
                 "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks, "num_kv_blocks": bm.num_blocks,
-                "num_preemptions": s.num_preemptions,
-                "prefix_cache_queries": s.prefix_queries, "prefix_cache_hits": s.prefix_hits,
-                "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
-                "spec_decode_draft_tokens": self.num_draft_tokens, "spec_decode_accepted_tokens": self.num_accepted_tokens}
+                "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_queries,
+                "prefix_cache_hits": s.prefix_hits, "prompt_tokens": self.num_prompt_tokens,
+                "generation_tokens": self.num_generation_tokens, "spec_decode_draft_tokens": self.num_draft_tokens,
+                "spec_decode_accepted_tokens": self.num_accepted_tokens}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
