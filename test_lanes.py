@@ -129,6 +129,7 @@ def test_lanes_in_an_engine_of_few_sequences(smollm2_shapes, shared_prefixes, mo
     monkeypatch.setenv("LANESERVE_CPU_MATMUL", matmul)
     llm = engine(smollm2_shapes, mode, max_num_seqs=4, max_num_batched_tokens=64)
     kernels = [m for m in llm.runner.model.modules() if isinstance(m, cpu_matmul.Linear)]
+    assert llm.runner.model.attention.kernel == (matmul != "off")  # generated tokens: token_attention, or torch's
     if matmul == "off":
         assert not kernels and {m.tile for m in llm.runner.model.modules() if isinstance(m, cpu.TiledLinear)} == {16}
         assert run(llm, shared_prefixes) == alone(llm, shared_prefixes)
