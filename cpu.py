@@ -215,6 +215,8 @@ class BucketedAttention:
             r = generated[r]
             token_calls.append((r, blocks(seq[r], b), score_mask(pos[r, None], b)[:, None]))
         rows = prompt.nonzero()[:, 0]
+        if not len(rows):  # a step of decodes
+            return token_calls, []
         # Group ids: sequence * span + position // GROUP, sorted. A group's GROUP query rows hold the row
         # at that position, or len(seq): the row of zeros __call__ appends.
         span = int(ctx.max()) // GROUP + 1
