@@ -121,5 +121,5 @@ def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> t
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list (or list of equal-length lists) as a tensor on device, through pinned memory so that the copy
     never waits on a GPU; through numpy, which reads nested lists faster than torch.tensor."""
-    pinned = device.type == "cuda"
-    return torch.tensor(np.array(values), dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+    host = torch.from_numpy(np.array(values)).to(dtype)  # torch.tensor(array, pin_memory=True) refuses numpy
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

@@ -36,7 +36,14 @@ constexpr int NUM_WARPS = 4;
 constexpr int NUM_THREADS = NUM_WARPS * 32;
 constexpr int PARTITION = 512;  // fewest tokens per split
 constexpr int MAX_SPLITS = 64;  // bounds the fp32 scratch: num_seqs * num_heads * 64 * (head_dim + 2)
-constexpr int UNROLL = 2;       // steps whose K/V loads are issued together, to keep loads in flight
+#ifndef LANESERVE_UNROLL
+#define LANESERVE_UNROLL 2
+#endif
+#ifndef LANESERVE_CODE_LOAD
+#define LANESERVE_CODE_LOAD 16
+#endif
+constexpr int UNROLL = LANESERVE_UNROLL;  // steps whose K/V loads are issued together, to keep loads in flight
+constexpr int CODE_LOAD = LANESERVE_CODE_LOAD;  // bytes of 8-bit codes a lane loads per row (16-bit, fp32: 16)
 constexpr float LOG2E = 1.4426950408889634f;
 
 // Splits for ctx tokens: one per PARTITION tokens, at least 1, at most cap. The one rule for the host
@@ -113,6 +120,14 @@ template <typename C> __device__ __forceinline__ void unpack(const uint4& u, flo
 #pragma unroll
   for (int i = 0; i < 16; ++i) f[i] = decode(C{}, w[i / 4] >> 8 * (i % 4) & 0xffu);
 }
+template <typename C> __device__ __forceinline__ void unpack(const uint2& u, float* f) {  // 8 codes
+  static_assert(sizeof(C) == 1, "an 8-bit cache element");
+  const unsigned w[2] = {u.x, u.y};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = decode(C{}, w[i / 4] >> 8 * (i % 4) & 0xffu);
+}
+template <int BYTES> struct LoadOf { using type = uint4; };
+template <> struct LoadOf<8> { using type = uint2; };
 template <> __device__ __forceinline__ void unpack<float>(const uint4& u, float* f) {
   f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
 }
@@ -148,7 +163,9 @@ __device__ __forceinline__ float merge_weight(float m, float M) { return m == -I
 template <typename T, typename C, int HEAD_DIM, int GMAX>
 __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAttentionParams p) {
   constexpr bool CODES = sizeof(C) == 1;  // an 8-bit cache
-  constexpr int VEC = 16 / sizeof(C);     // cache elements per 16-byte load: a lane's dims
+  constexpr int LOAD = CODES ? CODE_LOAD : 16;  // bytes a lane loads per row
+  using Load = typename LoadOf<LOAD>::type;
+  constexpr int VEC = LOAD / sizeof(C);   // cache elements per load: a lane's dims
   constexpr int QVEC = 16 / sizeof(T);    // query elements per 16-byte load
   constexpr int LPT = HEAD_DIM / VEC;     // lanes per token row
   constexpr int TPW = 32 / LPT;           // tokens per warp per step
@@ -202,18 +219,18 @@ __global__ void __launch_bounds__(NUM_THREADS) attention_kernel(const PagedAtten
 
   // t0 is warp-uniform, so every lane reaches the shuffles; lanes past `end` just don't update.
   for (int t0 = start + warp * TPW; t0 < end; t0 += STEP * UNROLL) {
-    uint4 kr[UNROLL], vr[UNROLL];
+    Load kr[UNROLL], vr[UNROLL];
     float ks[UNROLL], vs[UNROLL];  // the rows' scales (an 8-bit cache)
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int t = t0 + u * STEP + sub;
-      kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
+      kr[u] = vr[u] = Load{};
       ks[u] = vs[u] = 0.f;
       if (t < end) {
         const int64_t block = table[t >> block_shift];  // widened before any multiply
         const int64_t slot = (block << block_shift) + (t & offset_mask);
-        kr[u] = *reinterpret_cast<const uint4*>(k_base + slot * token_stride);
-        vr[u] = *reinterpret_cast<const uint4*>(v_base + slot * token_stride);
+        kr[u] = *reinterpret_cast<const Load*>(k_base + slot * token_stride);
+        vr[u] = *reinterpret_cast<const Load*>(v_base + slot * token_stride);
         if (CODES) {  // the rows' scales, loaded beside them
           ks[u] = p.k_scale[slot * p.num_kv_heads + kv_head];
           vs[u] = p.v_scale[slot * p.num_kv_heads + kv_head];

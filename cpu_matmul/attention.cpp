@@ -20,7 +20,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -44,7 +43,7 @@ struct Args {
 typedef float v8 __attribute__((vector_size(32)));
 
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return std::bit_cast<float>(uint32_t(x.x) << 16); }  // vectorizes
+inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, uint32_t(x.x) << 16); }  // vectorizes
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
 inline float to_float(c10::Float8_e5m2 x) { return static_cast<float>(x); }
@@ -57,9 +56,9 @@ inline float round_to(float x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    uint32_t u = std::bit_cast<uint32_t>(x);
+    uint32_t u = __builtin_bit_cast(uint32_t, x);
     const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    return std::bit_cast<float>(x != x ? 0x7FC00000u : r);
+    return __builtin_bit_cast(float, x != x ? 0x7FC00000u : r);
   }
 }
 
