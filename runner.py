@@ -18,7 +18,7 @@ from cuda_graphs import DecodeGraphs
 from kv_cache import KV_CACHE_DTYPES, KVCache, KVShape, slots
 from model import BatchMeta, ModelConfig, Transformer
 from sampler import TokenLogprob, sample, to_device
-from sequence import SamplingParams, Sequence
+from sequence import SamplingParams, Sequence, require
 
 
 @dataclass
@@ -74,10 +74,9 @@ class ModelRunner:
                  model_config: ModelConfig | None = None):
         self.config = c = config
         device = torch.device(c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-        if c.quantization and device.type != "cpu":
-            raise ValueError("--quantization int4 runs on CPU only (torch's 4-bit CPU matmul)")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"device {c.device}: torch sees {torch.cuda.device_count()} CUDA devices here")
+        require([(not c.quantization or device.type == "cpu", "--quantization int4 runs on CPU only"),
+                 (device.type != "cuda" or (device.index or 0) < torch.cuda.device_count(),
+                  f"device {c.device}: torch sees {torch.cuda.device_count()} CUDA devices here")])
         self.tp = parallel.TensorParallel(c.tensor_parallel_size, device.type, c.torch_threads, rank, address) \
             if c.tensor_parallel_size > 1 or parallel.launched_by_torchrun() else None
         self.rank, tp_size = (self.tp.rank, self.tp.size) if self.tp else (0, 1)
@@ -124,9 +123,10 @@ class ModelRunner:
             self.model_config, state = weights.load_weights(self.checkpoint_path, self.dtype, self.rank, tp_size)
         mc = self.model_config
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
-                             f"{mc.max_position_embeddings}")
+        require([(self.max_model_len <= mc.max_position_embeddings, f"max_model_len {self.max_model_len} exceeds the "
+                  f"model's context length {mc.max_position_embeddings}"),
+                 (self.device.type != "cuda" or mc.head_dim in (64, 128, 256 if self.kv_dtype.itemsize < 4 else 128),
+                  f"the CUDA kernel takes head_dim 64 or 128, or 256 with a 16- or 8-bit KV cache: not {mc.head_dim}")])
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         self.model.load_hf_state_dict(state)
         if self.device.type == "cpu":

@@ -18,10 +18,13 @@
 //               (from the longest context, known on the host); blocks with z >= n return at once. A
 //               sequence with n == 1 writes its output directly, reduce_kernel merges the others' splits.
 //   Inside a block, each token row of one KV head (head_dim cache elements C) is read by LPT lanes,
-//   16 bytes each (VEC = 16 / sizeof(C) elements, with the same VEC dims of the query); a warp thus
-//   covers TPW = 32 / LPT tokens per step (bf16/fp16: 2 tokens at head_dim 128, 4 at 64; fp32: 1
-//   and 2; 8-bit codes: 4 and 8, 16 codes a lane, dequantized with their row's scale in registers
-//   right after the load), and the 4 warps interleave over the split's tokens. Every such group of
+//   16 bytes each, or 8 codes of an 8-bit cache (VEC elements, with the same VEC dims of the query:
+//   8 at 16 bits, 4 at fp32): a lane holds VEC floats of query and output per head, so an
+//   8-bit cache takes no more registers than a 16-bit one (16 codes a lane took 240 and halved the
+//   blocks an SM holds). A warp thus covers TPW = 32 / LPT tokens per step (bf16/fp16 and 8-bit
+//   codes: 2 tokens at head_dim 128, 4 at 64; fp32: 1 and 2; codes are dequantized with their row's
+//   scale in registers right after the load), and the 4 warps interleave over the split's tokens,
+//   UNROLL steps' loads issued before any is used. Every such group of
 //   LPT lanes keeps its own online-softmax state (running max m, sum l, unnormalised output acc,
 //   all fp32) for each of its heads; the NPART = 4 * TPW states are merged through shared memory at
 //   the end.
@@ -36,11 +39,12 @@ constexpr int NUM_WARPS = 4;
 constexpr int NUM_THREADS = NUM_WARPS * 32;
 constexpr int PARTITION = 512;  // fewest tokens per split
 constexpr int MAX_SPLITS = 64;  // bounds the fp32 scratch: num_seqs * num_heads * 64 * (head_dim + 2)
+// Both set at build time (-D) so that .ci/gpu can time other values in the same run.
 #ifndef LANESERVE_UNROLL
-#define LANESERVE_UNROLL 2
+#define LANESERVE_UNROLL 4
 #endif
 #ifndef LANESERVE_CODE_LOAD
-#define LANESERVE_CODE_LOAD 16
+#define LANESERVE_CODE_LOAD 8
 #endif
 constexpr int UNROLL = LANESERVE_UNROLL;  // steps whose K/V loads are issued together, to keep loads in flight
 constexpr int CODE_LOAD = LANESERVE_CODE_LOAD;  // bytes of 8-bit codes a lane loads per row (16-bit, fp32: 16)
