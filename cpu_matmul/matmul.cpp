@@ -45,6 +45,7 @@ namespace {
 enum Kind : int64_t { F32 = 0, BF16 = 1, INT4 = 2 };
 enum Isa : int64_t { AVX2 = 1, AVX512 = 2, AVX512BF16 = 3 };
 constexpr int64_t GROUP_BYTES = 384;  // an int4 block's group: 64 bytes of scales, 64 of mins, 256 of codes
+constexpr int64_t PREFETCH = 2048;    // bytes ahead in a column block's stream (past its end: the next block's)
 
 // Calls f(std::integral_constant<int, r>) for 1 <= r <= R: a tile's row count as a compile-time constant.
 template <int R, typename F>
@@ -276,7 +277,10 @@ void int4_tile(const int16_t* xq, const float* dx, const float* xsum, const int3
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk[C];
     Ints s[R][C];
-    for (int c = 0; c < C; ++c) blk[c] = w + (c * G + g) * GROUP_BYTES;
+    for (int c = 0; c < C; ++c) {
+      blk[c] = w + (c * G + g) * GROUP_BYTES;
+      for (int line = 0; line < GROUP_BYTES; line += 64) _mm_prefetch((const char*)blk[c] + PREFETCH + line, _MM_HINT_T0);
+    }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) s[r][c] = izero();
     for (int p = 0; p < 4; ++p) {
