@@ -88,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     job = {"knobs": {f.name: v for f in fields(EngineConfig) if "help" in f.metadata
                      and (v := getattr(args, f.name)) != f.default},
            "num_seqs": args.num_seqs, "waves": args.waves, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    # Each checkout builds its kernels into its own extension directory: one shared by two versions of the same
+    # extension's sources can hand a worker the other's build.
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", r, json.dumps(job)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for r in roots]
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(base, f"ab{i}")})
+             for i, r in enumerate(roots)]
     totals = [[0.0, 0, 0.0, 0] for _ in roots]  # prefill seconds and steps, decode seconds and steps
     try:
         if any(proc.stdout.readline().strip() != "ready" for proc in procs[::-1]):  # a broken other fails first

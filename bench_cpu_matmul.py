@@ -37,7 +37,7 @@ def main() -> None:
         head = torch.randn(*HEAD, generator=g).to(dtype)
         for rows in a.rows:
             x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (576, 1536)}
-            ours = [(cpu_matmul.Linear(w, isa, int4), w.shape[1]) for w in weights]
+            ours = [(cpu_matmul.Linear(w, isa, "int4" if int4 else None), w.shape[1]) for w in weights]
             theirs = [(cpu.Int4Linear(w) if int4 else cpu.PackedLinear(w, rows), w.shape[1]) for w in weights]
             head_ours, head_theirs = cpu_matmul.Linear(head, isa), cpu.PackedLinear(head, rows)
             r = max(2, a.repeat // max(1, rows // 64))

@@ -53,10 +53,10 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
     isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None
 
     def tiled(linear: nn.Linear) -> nn.Module:
-        # int4 for the layers only: GGUF files keep the LM head at 8 bits, so do we.
+        # int4 for the layers only: GGUF files keep the LM head at 8 bits (Q8_0), so does our kernel.
         int4 = quantization == "int4" and linear is not model.lm_head
         if isa:  # our kernel computes a row alike in any batch: no tiles
-            return cpu_matmul.Linear(linear.weight, isa, int4)
+            return cpu_matmul.Linear(linear.weight, isa, "int4" if int4 else "int8" if quantization else None)
         if int4:
             return TiledLinear(Int4Linear(linear.weight), tile)
         return TiledLinear(PackedLinear(linear.weight, tile) if packs else linear, tile)

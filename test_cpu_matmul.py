@@ -1,6 +1,6 @@
 """The CPU matmul kernel (cpu_matmul): near the float64 product, and each row the same bits whatever the number of
 rows beside it, its place among them and the thread count, in every instruction set this CPU runs (AVX2 forced
-too), for float32, bfloat16 and int4 weights. The lane tests run the engine on it (test_lanes.py)."""
+too), for float32, bfloat16, int4 and int8 weights. The lane tests run the engine on it (test_lanes.py)."""
 import pytest
 import torch
 
@@ -8,15 +8,21 @@ import cpu
 import cpu_matmul
 
 ISAS = [name for name in cpu_matmul.ISAS if cpu_matmul.supported(name)]
-KINDS = [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)]
+KINDS = [(dtype, quant) for quant in (None, "int4", "int8") for dtype in (torch.float32, torch.bfloat16)]
 pytestmark = pytest.mark.skipif(not ISAS, reason="the kernel did not build, or this CPU has none of its ISAs")
 
 
-def layer(dtype: torch.dtype, int4: bool, isa: str, n: int = 200, k: int = 96, seed: int = 0):
+def layer(dtype: torch.dtype, quant: str | None, isa: str, n: int = 200, k: int = 96, seed: int = 0):
     """A kernel Linear of n outputs (not a multiple of its 64-column tiles) and the float64 weight it holds."""
     w = lin_weight(dtype, n, k, seed)
-    w64 = cpu_matmul.dequantize_int4(*cpu_matmul.int4_groups(w, 32)) if int4 else w.double()
-    return cpu_matmul.Linear(w, cpu_matmul.ISAS[isa], int4), w64
+    w64 = (cpu_matmul.dequantize_int4(*cpu_matmul.int4_groups(w, 32)) if quant == "int4" else
+           dequantize_int8(*cpu_matmul.int8_groups(w, 32)) if quant == "int8" else w.double())
+    return cpu_matmul.Linear(w, cpu_matmul.ISAS[isa], quant), w64
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.double().view(n, k // 32, 32) * scale.double()[..., None]).view(n, k)
 
 
 def lin_weight(dtype: torch.dtype, n: int = 200, k: int = 576, seed: int = 0) -> torch.Tensor:
@@ -28,21 +34,24 @@ def rows(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype, int4", KINDS)
-def test_near_the_float64_product(isa, dtype, int4):
-    lin, w64 = layer(dtype, int4, isa, k=576)
+@pytest.mark.parametrize("dtype, quant", KINDS)
+def test_near_the_float64_product(isa, dtype, quant):
+    lin, w64 = layer(dtype, quant, isa, k=576)
     x = rows(70, 576, dtype)
     y = lin(x)
     assert y.dtype == dtype and y.shape == (70, 200)
     exact = x.double() @ w64.T
     # float32 accumulation: at most K roundings of the running sum (bounded by |x| |w|); then bfloat16's output
-    # rounding, half an ulp. int4 rounds x to 16 bits per group of 32 (amax / 65534 off at most) against
-    # (q - 8) * scale.
+    # rounding, half an ulp. int4 and int8 round x to 16 bits per group of 32 (amax / 65534 off at most) against
+    # (q - 8) * scale and q * scale.
     bound = 576 * 2.0 ** -24 * (x.double().abs() @ w64.abs().T) * 2 + exact.abs() * (2.0 ** -8 if dtype ==
                                                                                         torch.bfloat16 else 0)
-    if int4:
+    if quant == "int4":
         q, scale, lo = cpu_matmul.int4_groups(lin_weight(dtype), 32)
         centred = ((q.double().view(200, 18, 32) - 8) * scale.double()[..., None]).abs().sum(-1)  # [n, groups]
+    if quant == "int8":
+        centred = w64.abs().view(200, 18, 32).sum(-1)
+    if quant:
         bound += (x.double().view(70, 18, 32).abs().amax(-1) / 65534) @ centred.T
     err = (y.double() - exact).abs()
     assert (err <= bound + 1e-30).all(), (err - bound).max()
@@ -50,9 +59,9 @@ def test_near_the_float64_product(isa, dtype, int4):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype, int4", KINDS)
-def test_a_row_is_the_same_bits_in_any_batch(isa, dtype, int4):
-    lin, _ = layer(dtype, int4, isa)
+@pytest.mark.parametrize("dtype, quant", KINDS)
+def test_a_row_is_the_same_bits_in_any_batch(isa, dtype, quant):
+    lin, _ = layer(dtype, quant, isa)
     x = rows(300, 96, dtype)
     threads = torch.get_num_threads()
     try:
@@ -70,13 +79,13 @@ def test_a_row_is_the_same_bits_in_any_batch(isa, dtype, int4):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("dtype, int4", KINDS)
-def test_avx2_and_avx512_add_in_one_order(dtype, int4):
-    # float32 and int4 are FMA chains of the same order in both; bfloat16 pairs too where vdpbf16ps is not used.
+@pytest.mark.parametrize("dtype, quant", KINDS)
+def test_avx2_and_avx512_add_in_one_order(dtype, quant):
+    # float32, int4 and int8 are FMA chains of the same order in both; bfloat16 pairs too where vdpbf16ps is not used.
     if not {"avx2", "avx512"} <= set(ISAS):
         pytest.skip("needs AVX-512")
     x = rows(70, 96, dtype)
-    assert torch.equal(layer(dtype, int4, "avx2")[0](x), layer(dtype, int4, "avx512")[0](x))
+    assert torch.equal(layer(dtype, quant, "avx2")[0](x), layer(dtype, quant, "avx512")[0](x))
 
 
 def test_choosing_the_instruction_set(monkeypatch):
@@ -92,15 +101,16 @@ def test_choosing_the_instruction_set(monkeypatch):
 
 
 def test_bad_input_is_an_error():
-    lin, _ = layer(torch.bfloat16, False, ISAS[0])
+    lin, _ = layer(torch.bfloat16, None, ISAS[0])
     with pytest.raises(RuntimeError, match="dtype"):
         lin(rows(3, 96, torch.float32))
     with pytest.raises(ValueError, match="does not fit"):
         lin(rows(3, 64, torch.bfloat16))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpu_matmul.Linear(torch.ones(4, 4, dtype=torch.float16), cpu_matmul.ISAS[ISAS[0]])
-    with pytest.raises(ValueError, match="divisible by 32"):
-        cpu_matmul.Linear(torch.ones(4, 48), cpu_matmul.ISAS[ISAS[0]], int4=True)
+    for quant in ("int4", "int8"):
+        with pytest.raises(ValueError, match="divisible by 32"):
+            cpu_matmul.Linear(torch.ones(4, 48), cpu_matmul.ISAS[ISAS[0]], quant)
 
 
 def test_int4_codes_are_those_of_the_tiles_path():
@@ -108,5 +118,5 @@ def test_int4_codes_are_those_of_the_tiles_path():
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
     x = torch.eye(96)
     w64 = cpu_matmul.dequantize_int4(*cpu_matmul.int4_groups(w, 32))
-    assert torch.allclose(cpu_matmul.Linear(w, cpu_matmul.ISAS[ISAS[0]], int4=True)(x).T.double(), w64, atol=1e-6)
+    assert torch.allclose(cpu_matmul.Linear(w, cpu_matmul.ISAS[ISAS[0]], "int4")(x).T.double(), w64, atol=1e-6)
     assert torch.allclose(cpu.Int4Linear(w)(x).T.double(), w64, atol=1e-5)

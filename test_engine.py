@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+import cpu_matmul
 import openai_api
 import weights
 from config import EngineConfig
@@ -240,6 +241,10 @@ def test_int4_gives_back_the_checkpoints_own_q4_blocks():
     assert (err <= step[..., None] / 2 + 1e-6).all()
     with pytest.raises(ValueError, match="divisible by 32"):
         quantize_int4(torch.randn(8, 48))
+    # Its LM head (the tied embedding) is Q8_0, which the kernel's int8 groups give back exactly.
+    w = state["model.embed_tokens.weight"]
+    q, scale = cpu_matmul.int8_groups(w, 32)
+    assert torch.equal((q.float().view(w.shape[0], -1, 32) * scale[..., None]).view(w.shape), w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,8 +1,9 @@
 """Batch-invariant CPU kernels: attention for generated tokens (attention.cpp, the op token_attention, which
 cpu.BucketedAttention calls) and the matmul, y = x Wᵀ by matmul.cpp, each row's result the same bits whatever else
 the batch holds and however many threads run it, so that cpu.py needs no row tiles where it is used: one row is a
-matrix-vector product streaming the weights once. float32 and bfloat16 weights, and the int4 groups of
---quantization int4 (GGUF's Q4_1: w = q * scale + min). Built with torch.utils.cpp_extension on first use, as
+matrix-vector product streaming the weights once. float32 and bfloat16 weights, the int4 groups of
+--quantization int4 (GGUF's Q4_1: w = q * scale + min), and int8 groups for its LM head (GGUF's Q8_0:
+w = q * scale). Built with torch.utils.cpp_extension on first use, as
 attention_cuda is; where it does not build, or the CPU has none of its instruction sets, isa() is None and cpu.py
 keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2, avx512 or avx512_bf16; unset, the best
 this CPU has."""
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ISAS = {"avx2": 1, "avx512": 2, "avx512_bf16": 3}  # matmul.cpp's Isa
-KINDS = {torch.float32: 0, torch.bfloat16: 1}  # matmul.cpp's Kind, with INT4
-INT4 = 2
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # matmul.cpp's Kind, with INT4 and INT8
+INT4, INT8 = 2, 3
 COLUMNS = 64  # outputs padded to a multiple of this: a register tile's width
 BLOCK = 16  # output columns per packed block
 _built: bool | None = None
@@ -84,6 +85,19 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> t
     return ((q.double().view(n, scale.shape[1], -1) - 8) * scale.double()[..., None] + zero).view(n, k)
 
 
+def int8_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [n, k] weight as 8-bit codes q ([n, k] int8, -127..127) and per `group` inputs a scale ([n, k / group]
+    float32), w ≈ q * scale. Round-to-nearest, symmetric, as GGUF's Q8_0: a Q8_0 checkpoint's dequantized weights
+    (in float32) give back its codes and scales."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int8 quantization needs matmul input sizes divisible by {group}, got {k}")
+    g = w.float().view(n, k // group, group)
+    scale = g.abs().amax(-1) / 127
+    q = (g / scale.clamp_min(1e-30)[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(n, k)
+    return q, scale
+
+
 def pack(w: torch.Tensor) -> torch.Tensor:
     """A float32 or bfloat16 [n, k] weight in matmul.cpp's layout: [n / 16, k, 16], bfloat16 [n / 16, k / 2, 16, 2]."""
     n, k = w.shape
@@ -108,19 +122,33 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.T
     return torch.cat((per_group(scale), per_group(int4_zeros(scale, lo)), codes), -1).contiguous()
 
 
-class Linear(nn.Module):
-    """A bias-free linear layer by the kernel, its weight packed once. int4: the weight quantized in groups of 32
-    (int4_groups), computed against activations in float32. isa: an ISAS value the CPU supports."""
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_groups' codes and scales (groups of 32) as [n / 16, k / 32, 576] bytes: per block of 16 columns and
+    group, the 16 scales (float32), then per k pair j < 16 the 16 columns' codes of k = 2j and 2j + 1."""
+    n, k = q.shape
+    q, scale = F.pad(q, (0, 0, 0, -n % COLUMNS)), F.pad(scale.float(), (0, 0, 0, -n % COLUMNS))
+    blocks, groups = q.shape[0] // BLOCK, k // 32
+    codes = q.view(blocks, BLOCK, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
+    scales = scale.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat((scales, codes.view(torch.uint8)), -1).contiguous()
 
-    def __init__(self, weight: torch.Tensor, isa: int, int4: bool = False):
+
+class Linear(nn.Module):
+    """A bias-free linear layer by the kernel, its weight packed once. quant "int4" or "int8": the weight quantized
+    in groups of 32 (int4_groups, int8_groups), computed against activations in float32. isa: an ISAS value the
+    CPU supports."""
+
+    def __init__(self, weight: torch.Tensor, isa: int, quant: str | None = None):
         super().__init__()
         if weight.dtype not in KINDS:
             raise ValueError(f"cpu_matmul.Linear: float32 or bfloat16 weights, got {weight.dtype}")
         if not any(v == isa and supported(n) for n, v in ISAS.items()):
             raise ValueError(f"cpu_matmul.Linear: instruction set {isa} unavailable here")
         self.n, self.k, self.isa = weight.shape[0], weight.shape[1], isa
-        self.kind = INT4 if int4 else KINDS[weight.dtype]
-        packed = pack_int4(*int4_groups(weight.detach(), 32)) if int4 else pack(weight.detach())
+        self.kind = {"int4": INT4, "int8": INT8}[quant] if quant else KINDS[weight.dtype]
+        w = weight.detach()
+        packed = (pack_int4(*int4_groups(w, 32)) if quant == "int4" else pack_int8(*int8_groups(w, 32))
+                  if quant == "int8" else pack(w))
         self.register_buffer("packed", packed, persistent=False)
         self.op = torch.ops.laneserve_cpu.linear
 

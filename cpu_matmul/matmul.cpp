@@ -9,6 +9,8 @@
 //     int4      [N/16][K/32][384 bytes]        per group of 32 inputs: 16 scales, 16 zeros (float32), then
 //                                              4 x [16 columns][4 bytes]: quad p's byte i holds k = 4p + i
 //                                              in its low nibble, k = 16 + 4p + i in its high one
+//     int8      [N/16][K/32][576 bytes]        per group of 32 inputs: 16 scales (float32), then per k pair j
+//                                              [16 columns][2 bytes]: the codes of k = 2j and 2j + 1
 // - Registers: a tile of R rows by C column blocks of float32 accumulators (a Vec is 16 floats: one zmm, or
 //   two ymm). Per k, the C weight vectors are loaded once and each row's x[m, k] is broadcast against them;
 //   rows come ROWS at a time, the last tile with fewer. R and C change which register holds an element,
@@ -20,7 +22,8 @@
 //   xq = round(x * 32767 / amax) and a scale dx = amax / 32767 (the row's own values alone; 8-bit codes, as
 //   llama.cpp's Q8_1, moved logprobs by 0.1), the group's sum of (q - 8) * xq is exact in int32 (vpmaddwd
 //   or vpdpwssd on word pairs of q, less 8 * the sum of xq), then acc = fma(scale * dx, sum, acc);
-//   acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the group, in k order.
+//   acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the group, in k order. int8 (w = q *
+//   scale, q in -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero.
 //   Float32 and int4 give the same bits on AVX2 and AVX-512.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
 //   including this file into a namespace under #pragma GCC target (avx2, avx512, avx512bf16), each defining
@@ -42,10 +45,11 @@
 
 namespace {
 
-enum Kind : int64_t { F32 = 0, BF16 = 1, INT4 = 2 };
+enum Kind : int64_t { F32 = 0, BF16 = 1, INT4 = 2, INT8 = 3 };
 enum Isa : int64_t { AVX2 = 1, AVX512 = 2, AVX512BF16 = 3 };
 constexpr int64_t GROUP_BYTES = 384;  // an int4 block's group: 64 bytes of scales, 64 of mins, 256 of codes
-constexpr int64_t PREFETCH = 2048;    // bytes ahead in a column block's stream (past its end: the next block's)
+constexpr int64_t INT8_GROUP_BYTES = 576;  // an int8 block's group: 64 bytes of scales, 512 of codes
+constexpr int64_t PREFETCH = 2048;  // bytes ahead in a column block's stream (past its end: the next block's)
 
 // Calls f(std::integral_constant<int, r>) for 1 <= r <= R: a tile's row count as a compile-time constant.
 template <int R, typename F>
@@ -100,6 +104,11 @@ inline Ints isub(Ints v, int32_t x) {
 }
 inline Vec to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+// int8: 32 codes (16 columns x a k pair) as word pairs.
+inline Ints widen(const uint8_t* p) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)))};
+}
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
 #undef LANESERVE_KERNELS
@@ -145,6 +154,7 @@ inline Ints dot2i(Ints acc, Ints q, int32_t x) {
 inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
 inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
+inline Ints widen(const uint8_t* p) { return {_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p))}; }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
 #undef LANESERVE_KERNELS
@@ -155,7 +165,7 @@ inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
 namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps and int4 codes by vpdpwssd
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float;
+using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::widen;
 using avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
 inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_dpwssd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
 struct Pair { __m512bh w; };
@@ -187,16 +197,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
   TORCH_CHECK(packed.is_contiguous() && packed.device().is_cpu(), "linear: packed weight must be contiguous, on CPU");
   TORCH_CHECK(supported(isa), "linear: instruction set ", isa, " is not supported by this CPU");
   const int64_t M = x.size(0), K = x.size(1), N64 = (n + 63) / 64 * 64;
-  const int64_t want = kind == F32 ? N64 * K * 4 : kind == BF16 ? N64 * K * 2 : N64 / 16 * (K / 32) * GROUP_BYTES;
-  TORCH_CHECK(packed.nbytes() == (size_t)want && (kind != BF16 || K % 2 == 0) && (kind != INT4 || K % 32 == 0),
+  const int64_t want = kind == F32 ? N64 * K * 4 : kind == BF16 ? N64 * K * 2
+                       : N64 / 16 * (K / 32) * (kind == INT4 ? GROUP_BYTES : INT8_GROUP_BYTES);
+  TORCH_CHECK(kind >= F32 && kind <= INT8, "linear: kind ", kind, " is not 0 to 3");
+  TORCH_CHECK(packed.nbytes() == (size_t)want && (kind != BF16 || K % 2 == 0) && (kind < INT4 || K % 32 == 0),
               "linear: packed weight of ", packed.nbytes(), " bytes does not fit x's ", K, " inputs and ", n,
               " outputs");
-  TORCH_CHECK(kind == INT4 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
+  TORCH_CHECK(kind >= INT4 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
                            : x.scalar_type() == (kind == F32 ? at::kFloat : at::kBFloat16),
               "linear: x's dtype ", x.scalar_type(), " does not fit the weight's");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  at::Tensor xs = kind == INT4 && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;  // quantized from float32
+  at::Tensor xs = kind >= INT4 && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;  // quantized from float32
   auto run = [&](auto* out) {
     const void* w = packed.data_ptr();
     switch (isa) {
@@ -227,6 +239,11 @@ inline void put(Out* y, int64_t cols, Vec v) {
   float t[16];
   store(t, v);
   for (int64_t j = 0; j < cols; ++j) y[j] = Out(t[j]);
+}
+
+// A quantized group's cache lines, PREFETCH bytes on: the stream runs ahead of the loads (a prefetch never faults).
+inline void prefetch(const uint8_t* group, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)group + PREFETCH + line, _MM_HINT_T0);
 }
 
 // R rows by C column blocks from column block `col` (w: its packed data); x and y: the first row's.
@@ -279,7 +296,7 @@ void int4_tile(const int16_t* xq, const float* dx, const float* xsum, const int3
     Ints s[R][C];
     for (int c = 0; c < C; ++c) {
       blk[c] = w + (c * G + g) * GROUP_BYTES;
-      for (int line = 0; line < GROUP_BYTES; line += 64) _mm_prefetch((const char*)blk[c] + PREFETCH + line, _MM_HINT_T0);
+      prefetch(blk[c], GROUP_BYTES);
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) s[r][c] = izero();
@@ -309,14 +326,49 @@ void int4_tile(const int16_t* xq, const float* dx, const float* xsum, const int3
     for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
 }
 
+// xq, dx: as int4_tile's.
+template <int R, int C, typename Out>
+void int8_tile(const int16_t* xq, const float* dx, const uint8_t* w, Out* y, int64_t K, int64_t n, int64_t col) {
+  const int64_t G = K / 32;
+  Vec acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk[C];
+    Ints s[R][C];
+    for (int c = 0; c < C; ++c) {
+      blk[c] = w + (c * G + g) * INT8_GROUP_BYTES;
+      prefetch(blk[c], INT8_GROUP_BYTES);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) s[r][c] = izero();
+    for (int j = 0; j < 16; ++j) {
+      Ints q[C];
+      for (int c = 0; c < C; ++c) q[c] = widen(blk[c] + 64 + 32 * j);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* xr = xq + r * K + g * 32 + 2 * j;
+        const int32_t x = (int32_t)((uint32_t)(uint16_t)xr[0] | (uint32_t)(uint16_t)xr[1] << 16);
+        for (int c = 0; c < C; ++c) s[r][c] = dot2i(s[r][c], q[c], x);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      Vec scale = load(reinterpret_cast<const float*>(blk[c]));
+      for (int r = 0; r < R; ++r) acc[r][c] = fma(mul(scale, bcast(dx[r * G + g])), to_float(s[r][c]), acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
+}
+
 // The whole product: threads over groups of C column blocks; in each, all rows, ROWS at a time.
 template <typename Out>
 void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64_t K, int64_t n) {
   const int64_t blocks = (n + 63) / 64 * 4, G = K / 32;
-  std::vector<float> dx(kind == INT4 ? M * G : 0), xsum(dx.size());
+  const bool codes = kind == INT4 || kind == INT8;
+  std::vector<float> dx(codes ? M * G : 0), xsum(dx.size());
   std::vector<int32_t> xqsum(dx.size());
-  std::vector<int16_t> xq(kind == INT4 ? M * K : 0);
-  if (kind == INT4) {  // each row's groups quantized to int8, from their own values alone
+  std::vector<int16_t> xq(codes ? M * K : 0);
+  if (codes) {  // each row's groups quantized to int16, from their own values alone
     const float* xf = static_cast<const float*>(x);
     at::parallel_for(0, M * G, 4096, [&](int64_t b, int64_t e) {  // a decode step's few groups: no threads
       for (int64_t i = b; i < e; ++i) {
@@ -333,7 +385,7 @@ void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64
       }
     });
   }
-  const int64_t C = kind == INT4 ? COLS_INT4 : COLS;
+  const int64_t C = codes ? COLS_INT4 : COLS;
   at::parallel_for(0, blocks / C, 1, [&](int64_t b, int64_t e) {
     for (int64_t cg = b; cg < e; ++cg)
       for (int64_t m = 0; m < M; m += ROWS)
@@ -345,10 +397,14 @@ void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64
           else if (kind == BF16)
             bf16_tile<R.value, COLS>(static_cast<const uint16_t*>(x) + m * K,
                                      static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K, n, col);
-          else
+          else if (kind == INT4)
             int4_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G,
                                           xqsum.data() + m * G,
                                           static_cast<const uint8_t*>(w) + col * G * GROUP_BYTES, y + m * n, K, n, col);
+          else
+            int8_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G,
+                                          static_cast<const uint8_t*>(w) + col * G * INT8_GROUP_BYTES, y + m * n, K, n,
+                                          col);
         });
   });
 }
