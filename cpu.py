@@ -93,11 +93,13 @@ class FusedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.RMSNorm):
         super().__init__()
-        self.weight, self.eps = norm.weight, norm.eps
+        self.weight, self.eps = norm.weight.detach(), norm.eps  # a plain tensor, no hooks: as cpu_matmul.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1]
         return F.layer_norm(torch.cat((x, x.neg()), -1), (2 * d,), None, None, self.eps)[..., :d] * self.weight
+
+    __call__ = forward
 
 
 class TiledLinear(nn.Module):
