@@ -44,13 +44,13 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
     keep_freed_memory()
     tile = row_tile(max_num_seqs)
     model.attention, model.store_kv = BucketedAttention(), store_finite_kv
-    _replace(model, nn.RMSNorm, FusedRMSNorm)
     dtype, flags = model.embed.weight.dtype, _cpu_flags()
     # oneDNN packs float32 weights everywhere, bfloat16 only where these instructions exist.
     packs = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or dtype == torch.bfloat16 and (
         {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags))
 
     isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None
+    _replace(model, nn.RMSNorm, cpu_matmul.RMSNorm if isa else FusedRMSNorm)
 
     def tiled(linear: nn.Linear) -> nn.Module:
         # int4 for the layers only: GGUF files keep the LM head at 8 bits (Q8_0), so does our kernel.

@@ -120,3 +120,29 @@ def test_int4_codes_are_those_of_the_tiles_path():
     w64 = cpu_matmul.dequantize_int4(*cpu_matmul.int4_groups(w, 32))
     assert torch.allclose(cpu_matmul.Linear(w, cpu_matmul.ISAS[ISAS[0]], "int4")(x).T.double(), w64, atol=1e-6)
     assert torch.allclose(cpu.Int4Linear(w)(x).T.double(), w64, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm(dtype):
+    # Near the float64 formula (rounded where Hugging Face's RMSNorm rounds: twice in bfloat16), and a row the same
+    # bits whatever rows run beside it and however many threads.
+    norm = torch.nn.RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=torch.Generator().manual_seed(2)).to(dtype)
+    kernel, x = cpu_matmul.RMSNorm(norm), rows(100, 576, dtype)
+    y = kernel(x)
+    exact = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    # float32's sum of squares: 576 roundings at most, halved by the square root; then the roundings to dtype.
+    rel = 576 * 2.0 ** -24 + (2 * 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -22)  # unit roundoff 2^-8
+    want = exact * norm.weight.detach().double()
+    assert ((y.double() - want).abs() <= want.abs() * rel + 1e-30).all()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for m in (1, 3, 17, 100):
+                assert torch.equal(kernel(x[:m]), y[:m])
+            assert torch.equal(kernel(x.view(10, 10, 576)[3]), y[30:40])
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        torch.ops.laneserve_cpu.rms_norm(x.half(), norm.weight.half(), 1e-5)

@@ -31,7 +31,7 @@ def _load() -> bool:
         try:
             from torch.utils.cpp_extension import load
             here = os.path.dirname(os.path.abspath(__file__))
-            load("laneserve_cpu_matmul", [os.path.join(here, "matmul.cpp"), os.path.join(here, "attention.cpp")],
+            load("laneserve_cpu_matmul", [os.path.join(here, f) for f in ("matmul.cpp", "attention.cpp", "norm.cpp")],
                  extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                  is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
             _built = True
@@ -160,5 +160,19 @@ class Linear(nn.Module):
             return self.op(x.contiguous(), self.packed, self.kind, self.n, self.isa)
         return self.op(x.reshape(-1, self.k).contiguous(), self.packed, self.kind, self.n, self.isa).view(
             *x.shape[:-1], self.n)
+
+    __call__ = forward
+
+
+class RMSNorm(nn.Module):
+    """nn.RMSNorm's result, rounded where Hugging Face's rounds, by norm.cpp: one op, each row on its own."""
+
+    def __init__(self, norm: nn.RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight.detach(), norm.eps  # plain tensors and no hooks, as Linear
+        self.op = torch.ops.laneserve_cpu.rms_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x.contiguous(), self.weight, self.eps)
 
     __call__ = forward
