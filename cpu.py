@@ -51,6 +51,8 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
 
     isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None
     _replace(model, nn.RMSNorm, cpu_matmul.RMSNorm if isa else FusedRMSNorm)
+    if isa:
+        model.store_kv = store_kv_by_kernel
 
     def tiled(linear: nn.Linear) -> nn.Module:
         # int4 for the layers only: GGUF files keep the LM head at 8 bits (Q8_0), so does our kernel.
@@ -325,3 +327,13 @@ def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     (an RMSNorm, then a projection); a sequence that went NaN or inf must not reach the next owner of its blocks."""
     finite = (x.nan_to_num(0.0, 0.0, 0.0) for x in (key, value))
     attention_cuda.store_kv(*finite, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def store_kv_by_kernel(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> None:
+    """store_finite_kv's bytes by cpu_matmul's store_kv, one op (rows.cpp); an 8-bit cache's quantizing store stays
+    store_finite_kv's."""
+    if k_scale is not None:
+        return store_finite_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    torch.ops.laneserve_cpu.store_kv(key, value, k_cache, v_cache, slot_mapping)

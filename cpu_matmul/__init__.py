@@ -31,7 +31,7 @@ def _load() -> bool:
         try:
             from torch.utils.cpp_extension import load
             here = os.path.dirname(os.path.abspath(__file__))
-            load("laneserve_cpu_matmul", [os.path.join(here, f) for f in ("matmul.cpp", "attention.cpp", "norm.cpp")],
+            load("laneserve_cpu_matmul", [os.path.join(here, f) for f in ("matmul.cpp", "attention.cpp", "rows.cpp")],
                  extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                  is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
             _built = True
@@ -165,7 +165,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """nn.RMSNorm's result, rounded where Hugging Face's rounds, by norm.cpp: one op, each row on its own."""
+    """nn.RMSNorm's result, rounded where Hugging Face's rounds, by rows.cpp: one op, each row on its own."""
 
     def __init__(self, norm: nn.RMSNorm):
         super().__init__()
