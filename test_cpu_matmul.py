@@ -1,6 +1,10 @@
 """The CPU matmul kernel (cpu_matmul): near the float64 product, and each row the same bits whatever the number of
 rows beside it, its place among them and the thread count, in every instruction set this CPU runs (AVX2 forced
 too), for float32, bfloat16, int4 and int8 weights. The lane tests run the engine on it (test_lanes.py)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,6 +13,7 @@ import cpu_matmul
 
 ISAS = [name for name in cpu_matmul.ISAS if cpu_matmul.supported(name)]
 KINDS = [(dtype, quant) for quant in (None, "int4", "int8") for dtype in (torch.float32, torch.bfloat16)]
+HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(not ISAS, reason="the kernel did not build, or this CPU has none of its ISAs")
 
 
@@ -165,3 +170,14 @@ def test_store_kv_writes_the_torch_forms_bytes(dtype):
     assert not torch.equal(kernel[0], base)
     with pytest.raises(RuntimeError, match="past the cache"):
         torch.ops.laneserve_cpu.store_kv(key, value, *kernel, slots + 32)
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next():
+    # torch's lock file, as a process killed inside torch's load leaves it: the next process still loads.
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = os.path.join(_get_build_directory("laneserve_cpu_matmul", False), "lock")
+    open(lock, "w").close()
+    out = subprocess.run([sys.executable, "-c", "import cpu_matmul; print(cpu_matmul._load())"], cwd=HERE,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    assert not os.path.exists(lock)

@@ -9,6 +9,8 @@ keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2, avx512 or 
 this CPU has."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import warnings
 
@@ -29,11 +31,19 @@ def _load() -> bool:
     global _built
     if _built is None:
         try:
-            from torch.utils.cpp_extension import load
-            here = os.path.dirname(os.path.abspath(__file__))
-            load("laneserve_cpu_matmul", [os.path.join(here, f) for f in ("matmul.cpp", "attention.cpp", "rows.cpp")],
-                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                 is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
+            from torch.utils.cpp_extension import _get_build_directory, load
+            name, here = "laneserve_cpu_matmul", os.path.dirname(os.path.abspath(__file__))
+            build = _get_build_directory(name, False)
+            # torch's build lock is a file that every load holds while ninja runs, and a process killed holding it
+            # leaves it behind: every later load would wait on it forever. Ours, an flock, ends with its process;
+            # under it no other load of ours is inside torch's, so a lock file found is such a leftover.
+            with open(os.path.join(build, "flock"), "w") as ours:
+                fcntl.flock(ours, fcntl.LOCK_EX)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(build, "lock"))
+                load(name, [os.path.join(here, f) for f in ("matmul.cpp", "attention.cpp", "rows.cpp")],
+                     extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                     is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
             _built = True
         except Exception as e:  # no compiler, no ninja, ...: the tiles serve
             warnings.warn(f"cpu_matmul: could not build the CPU matmul kernel, using row tiles ({type(e).__name__}: "
