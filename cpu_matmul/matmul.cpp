@@ -283,10 +283,12 @@ void bf16_tile(const uint16_t* x, const uint16_t* w, Out* y, int64_t K, int64_t 
     for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
 }
 
-// xq: the rows' int16 codes [M, K]; dx, xsum, xqsum: per group [M, K / 32], their scales, x's sums and 8 * xq's.
-template <int R, int C, typename Out>
-void int4_tile(const int16_t* xq, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
-               int64_t K, int64_t n, int64_t col) {
+// The quantized kinds (EIGHT: int8, else int4). xq: the rows' int16 codes [M, K]; dx, xsum, xqsum: per group
+// [M, K / 32], their scales, x's sums and 8 * xq's (the latter two for int4's zero term alone).
+template <int R, int C, bool EIGHT, typename Out>
+void quant_tile(const int16_t* xq, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
+                int64_t K, int64_t n, int64_t col) {
+  constexpr int64_t BYTES = EIGHT ? INT8_GROUP_BYTES : GROUP_BYTES;
   const int64_t G = K / 32;
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -295,65 +297,47 @@ void int4_tile(const int16_t* xq, const float* dx, const float* xsum, const int3
     const uint8_t* blk[C];
     Ints s[R][C];
     for (int c = 0; c < C; ++c) {
-      blk[c] = w + (c * G + g) * GROUP_BYTES;
-      prefetch(blk[c], GROUP_BYTES);
+      blk[c] = w + (c * G + g) * BYTES;
+      prefetch(blk[c], BYTES);
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) s[r][c] = izero();
-    for (int p = 0; p < 4; ++p) {
-      Ints q[C][4];
-      for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, q[c]);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xr = xq + r * K + g * 32 + 4 * p;  // the pairs of k (4p, 4p + 2), (4p + 1, 4p + 3), +16
-        int32_t x[4];
-        for (int i = 0; i < 4; ++i) {
-          const int k = (i >> 1) * 16 + (i & 1);
-          x[i] = (int32_t)((uint32_t)(uint16_t)xr[k] | (uint32_t)(uint16_t)xr[k + 2] << 16);
+    if constexpr (EIGHT) {
+      for (int j = 0; j < 16; ++j) {  // k pairs (2j, 2j + 1)
+        Ints q[C];
+        for (int c = 0; c < C; ++c) q[c] = widen(blk[c] + 64 + 32 * j);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xr = xq + r * K + g * 32 + 2 * j;
+          const int32_t x = (int32_t)((uint32_t)(uint16_t)xr[0] | (uint32_t)(uint16_t)xr[1] << 16);
+          for (int c = 0; c < C; ++c) s[r][c] = dot2i(s[r][c], q[c], x);
         }
-        for (int c = 0; c < C; ++c)
-          for (int i = 0; i < 4; ++i) s[r][c] = dot2i(s[r][c], q[c][i], x[i]);
       }
-    }
-    for (int c = 0; c < C; ++c) {
-      Vec scale = load(reinterpret_cast<const float*>(blk[c])), zr = load(reinterpret_cast<const float*>(blk[c] + 64));
-      for (int r = 0; r < R; ++r) {
-        Vec sum = to_float(isub(s[r][c], xqsum[r * G + g]));
-        acc[r][c] = fma(zr, bcast(xsum[r * G + g]), fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
-}
-
-// xq, dx: as int4_tile's.
-template <int R, int C, typename Out>
-void int8_tile(const int16_t* xq, const float* dx, const uint8_t* w, Out* y, int64_t K, int64_t n, int64_t col) {
-  const int64_t G = K / 32;
-  Vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = zero();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* blk[C];
-    Ints s[R][C];
-    for (int c = 0; c < C; ++c) {
-      blk[c] = w + (c * G + g) * INT8_GROUP_BYTES;
-      prefetch(blk[c], INT8_GROUP_BYTES);
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) s[r][c] = izero();
-    for (int j = 0; j < 16; ++j) {
-      Ints q[C];
-      for (int c = 0; c < C; ++c) q[c] = widen(blk[c] + 64 + 32 * j);
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xr = xq + r * K + g * 32 + 2 * j;
-        const int32_t x = (int32_t)((uint32_t)(uint16_t)xr[0] | (uint32_t)(uint16_t)xr[1] << 16);
-        for (int c = 0; c < C; ++c) s[r][c] = dot2i(s[r][c], q[c], x);
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        Ints q[C][4];
+        for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, q[c]);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xr = xq + r * K + g * 32 + 4 * p;  // the pairs of k (4p, 4p + 2), (4p + 1, 4p + 3), +16
+          int32_t x[4];
+          for (int i = 0; i < 4; ++i) {
+            const int k = (i >> 1) * 16 + (i & 1);
+            x[i] = (int32_t)((uint32_t)(uint16_t)xr[k] | (uint32_t)(uint16_t)xr[k + 2] << 16);
+          }
+          for (int c = 0; c < C; ++c)
+            for (int i = 0; i < 4; ++i) s[r][c] = dot2i(s[r][c], q[c][i], x[i]);
+        }
       }
     }
     for (int c = 0; c < C; ++c) {
       Vec scale = load(reinterpret_cast<const float*>(blk[c]));
-      for (int r = 0; r < R; ++r) acc[r][c] = fma(mul(scale, bcast(dx[r * G + g])), to_float(s[r][c]), acc[r][c]);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (EIGHT) {
+          acc[r][c] = fma(mul(scale, bcast(dx[r * G + g])), to_float(s[r][c]), acc[r][c]);
+        } else {
+          Vec zr = load(reinterpret_cast<const float*>(blk[c] + 64)), sum = to_float(isub(s[r][c], xqsum[r * G + g]));
+          acc[r][c] = fma(zr, bcast(xsum[r * G + g]), fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]));
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -397,14 +381,11 @@ void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64
           else if (kind == BF16)
             bf16_tile<R.value, COLS>(static_cast<const uint16_t*>(x) + m * K,
                                      static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K, n, col);
-          else if (kind == INT4)
-            int4_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G,
-                                          xqsum.data() + m * G,
-                                          static_cast<const uint8_t*>(w) + col * G * GROUP_BYTES, y + m * n, K, n, col);
           else
-            int8_tile<R.value, COLS_INT4>(xq.data() + m * K, dx.data() + m * G,
-                                          static_cast<const uint8_t*>(w) + col * G * INT8_GROUP_BYTES, y + m * n, K, n,
-                                          col);
+            (kind == INT4 ? quant_tile<R.value, COLS_INT4, false, Out> : quant_tile<R.value, COLS_INT4, true, Out>)(
+                xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,
+                static_cast<const uint8_t*>(w) + col * G * (kind == INT4 ? GROUP_BYTES : INT8_GROUP_BYTES), y + m * n,
+                K, n, col);
         });
   });
 }
