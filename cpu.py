@@ -43,16 +43,15 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
     """Swap the fast CPU forms into model, in place."""
     keep_freed_memory()
     tile = row_tile(max_num_seqs)
-    model.attention, model.store_kv = BucketedAttention(), store_finite_kv
     dtype, flags = model.embed.weight.dtype, _cpu_flags()
     # oneDNN packs float32 weights everywhere, bfloat16 only where these instructions exist.
     packs = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or dtype == torch.bfloat16 and (
         {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags))
 
-    isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None
+    isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None  # the kernels take float32 and bfloat16
+    model.attention = BucketedAttention(kernel=isa is not None)
+    model.store_kv = store_kv_by_kernel if isa else store_finite_kv
     _replace(model, nn.RMSNorm, cpu_matmul.RMSNorm if isa else FusedRMSNorm)
-    if isa:
-        model.store_kv = store_kv_by_kernel
 
     def tiled(linear: nn.Linear) -> nn.Module:
         # int4 for the layers only: GGUF files keep the LM head at 8 bits (Q8_0), so does our kernel.

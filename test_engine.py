@@ -403,3 +403,13 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
     with pytest.raises(ValueError, match="generation_config.json: temperature must be in"):
         weights.sampling_defaults(str(tmp_path))
+
+
+def test_float16_on_cpu_takes_the_torch_forms():
+    # The CPU kernels take float32 and bfloat16; a float16 engine runs the torch forms (it failed in
+    # token_attention), a request's tokens the same alone and beside another.
+    llm = LLM(model="smollm2-135m", dummy_weights=True, device="cpu", dtype="float16", num_kv_blocks=64)
+    assert not llm.runner.model.attention.kernel
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate(["hello there"], greedy)[0].token_ids
+    assert llm.generate(["hello there", "a longer prompt than the first one"], greedy)[0].token_ids == alone

@@ -24,7 +24,7 @@
 //   or vpdpwssd on word pairs of q, less 8 * the sum of xq), then acc = fma(scale * dx, sum, acc);
 //   acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the group, in k order. int8 (w = q *
 //   scale, q in -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero.
-//   Float32 and int4 give the same bits on AVX2 and AVX-512.
+//   Float32, int4 and int8 give the same bits on AVX2 and AVX-512.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
 //   including this file into a namespace under #pragma GCC target (avx2, avx512, avx512bf16), each defining
 //   Vec and its operations first; linear() calls the one Python chose (isa), which supported() vouches for.

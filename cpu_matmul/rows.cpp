@@ -48,10 +48,11 @@ template <typename T>
 void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots, int64_t row) {
   const T* src = static_cast<const T*>(x.const_data_ptr());
   T* dst = static_cast<T*>(cache.mutable_data_ptr());
-  for (int64_t t = 0; t < x.size(0); ++t) {
+  const int64_t tokens = x.size(0), stride = x.stride(0);
+  for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
     for (int64_t i = 0; i < row; ++i) {
-      const T v = src[t * x.stride(0) + i];
+      const T v = src[t * stride + i];
       dst[slots[t] * row + i] = std::isfinite(float(v)) ? v : T(0);
     }
   }
