@@ -4,6 +4,7 @@ checkpoint's own 4-bit weights). optimize() swaps them into a loaded model once.
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,7 @@ from torch import nn
 
 import attention_cuda
 import cpu_matmul
-from model import BatchMeta, Transformer
+from model import BatchMeta, Block, Transformer
 
 INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blocks
 ROW_TILE = 64   # the most rows per matmul call: see row_tile
@@ -52,6 +53,10 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
     model.attention = BucketedAttention(kernel=isa is not None)
     model.store_kv = store_kv_by_kernel if isa else store_finite_kv
     _replace(model, nn.RMSNorm, cpu_matmul.RMSNorm if isa else FusedRMSNorm)
+    c = model.config  # Llama's layers, whole (one rank's shards add their outputs across ranks: no residual there)
+    if isa and not (c.qk_norm or c.gemma) and all(layer.heads == c.num_attention_heads for layer in model.layers):
+        for layer in model.layers:
+            layer.forward = partial(fused_block, layer)
 
     def tiled(linear: nn.Linear) -> nn.Module:
         # int4 for the layers only: GGUF files keep the LM head at 8 bits (Q8_0), so does our kernel.
@@ -62,6 +67,21 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
             return TiledLinear(Int4Linear(linear.weight), tile)
         return TiledLinear(PackedLinear(linear.weight, tile) if packs else linear, tile)
     _replace(model, nn.Linear, tiled)
+
+
+def fused_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
+                kv_cache: tuple[torch.Tensor, ...], ops: Transformer) -> torch.Tensor:
+    """Block.forward's bits for a Llama layer on cpu_matmul in half its ops (each op costs a few us of Python and
+    dispatch, and a one-stream step runs 30 layers of them): RoPE and the K/V store are one op (rows.cpp's
+    rope_store), the residual adds ride on the o and down matmuls. An 8-bit cache takes Block.forward."""
+    if len(kv_cache) > 2:
+        return Block.forward(block, x, cos, sin, meta, kv_cache, ops)
+    n = x.shape[0]
+    q = torch.ops.laneserve_cpu.rope_store(block.qkv(block.attn_norm(x)), cos, sin, *kv_cache, meta.slot_mapping,
+                                           block.heads)
+    x = block.o(ops.attention(q, *kv_cache, meta, block.scale, window=block.window).view(n, -1), x)
+    gate, up = block.gate_up(block.mlp_norm(x)).view(n, 2, -1).unbind(1)
+    return block.down(block.act(gate) * up, x)
 
 
 def keep_freed_memory() -> None:
@@ -162,7 +182,7 @@ class BucketedAttention:
     - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values
       ([heads, b] by [b, kv_heads * dim]), with its own copy of the keys. Items with the same b run together.
       Where cpu_matmul builds (kernel), its token_attention computes every generated token instead, one task per
-      token and KV head, reading only keys 0..p.
+      token, reading only keys 0..p.
     - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
       own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
       bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of its keys.

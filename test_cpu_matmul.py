@@ -1,6 +1,7 @@
 """The CPU matmul kernel (cpu_matmul): near the float64 product, and each row the same bits whatever the number of
 rows beside it, its place among them and the thread count, in every instruction set this CPU runs (AVX2 forced
 too), for float32, bfloat16, int4 and int8 weights. The lane tests run the engine on it (test_lanes.py)."""
+import functools
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import torch
 
 import cpu
 import cpu_matmul
+import model
 
 ISAS = [name for name in cpu_matmul.ISAS if cpu_matmul.supported(name)]
 KINDS = [(dtype, quant) for quant in (None, "int4", "int8") for dtype in (torch.float32, torch.bfloat16)]
@@ -170,6 +172,68 @@ def test_store_kv_writes_the_torch_forms_bytes(dtype):
     assert not torch.equal(kernel[0], base)
     with pytest.raises(RuntimeError, match="past the cache"):
         torch.ops.laneserve_cpu.store_kv(key, value, *kernel, slots + 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_store_is_the_torch_forms_rope_and_store(dtype):
+    # model.apply_rope on the Q and K heads, then cpu.store_finite_kv, bit for bit: one row per token (q: 3 heads,
+    # k: 2, v: 2), non-finite values and slots -1 among them; a token's row the same alone and beside others.
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(9, 7 * 64, generator=g).to(dtype)
+    qkv[2, 3 * 64 + 5], qkv[4, 5 * 64], qkv[6, 4 * 64 + 1] = float("nan"), float("inf"), float("-inf")
+    angles = torch.randn(9, 1, 64, generator=g) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    sin[..., :32] *= -1  # as Transformer.rope_sin
+    slots = torch.tensor([0, 5, 9, 17, 3, 30, 31, 8, -1])
+    base = torch.randn(4, 8, 2, 64, generator=g).to(dtype)
+    torch_form, kernel = [base.clone(), base.clone()], [base.clone(), base.clone()]
+    qk = model.apply_rope(qkv.view(9, 7, 64)[:, :5], cos, sin)
+    cpu.store_finite_kv(qk[:, 3:], qkv.view(9, 7, 64)[:, 5:], *torch_form, slots)
+    q = torch.ops.laneserve_cpu.rope_store(qkv, cos, sin, *kernel, slots, 3)
+    assert torch.equal(q, qk[:, :3])
+    for a, b in zip(torch_form, kernel):
+        assert torch.equal(a, b) and a.isfinite().all()
+    for i in (0, 4, 8):
+        assert torch.equal(torch.ops.laneserve_cpu.rope_store(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], *kernel,
+                                                              slots[i:i + 1], 3), q[i:i + 1])
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.laneserve_cpu.rope_store(qkv, cos, sin, *kernel, slots + 32, 3)
+    with pytest.raises(RuntimeError, match="rope_store"):
+        torch.ops.laneserve_cpu.rope_store(qkv, cos, sin, *kernel, slots, 4)
+
+
+@pytest.mark.parametrize("dtype, quant", KINDS)
+def test_a_residual_is_added_as_torch_adds(dtype, quant):
+    lin, _ = layer(dtype, quant, ISAS[-1])
+    x, residual = rows(5, 96, dtype), rows(5, 200, dtype, seed=7)
+    assert torch.equal(lin(x, residual), residual + lin(x))
+    with pytest.raises(RuntimeError, match="residual"):
+        lin(x, residual[:, :100].contiguous())
+
+
+@pytest.mark.parametrize("dtype, quant", [("float32", None), ("bfloat16", None), ("bfloat16", "int4")])
+def test_fused_block_is_block_forward(dtype, quant):
+    # cpu.optimize's fused_block gives Block.forward's logits bit for bit over a step of prompt pieces and decodes.
+    from engine import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m", dummy_weights=True, device="cpu", dtype=dtype, quantization=quant,
+              num_kv_blocks=64, max_num_batched_tokens=48)
+    layers = llm.runner.model.layers
+    assert all(isinstance(layer.forward, functools.partial) for layer in layers)
+    logits, forward = [], model.Transformer.forward
+
+    def kept(*args):
+        logits.append(forward(*args))
+        return logits[-1]
+    prompts, greedy = ["a longer prompt than the other one, cut in pieces " * 3, "hello"], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model.Transformer, "forward", kept)
+        fused = llm.generate(prompts, greedy)
+        fused_logits, logits[:] = list(logits), []
+        for layer in layers:
+            del layer.forward
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == [o.token_ids for o in fused]
+    assert len(logits) == len(fused_logits) > 6 and all(map(torch.equal, logits, fused_logits))
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next():

@@ -163,12 +163,15 @@ class Linear(nn.Module):
         # call, and a one-stream step makes 121 of these calls.
         self.packed, self.op = packed, torch.ops.laneserve_cpu.linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T, plus residual (x's shape but n features, in x's dtype) if given, rounded as torch's add."""
         if x.shape[-1] != self.k:
             raise ValueError(f"cpu_matmul.Linear: input of {x.shape[-1]} features does not fit {self.k}")
         if x.dim() == 2:  # the model's case: no reshaping (this runs 4 times a layer in every step)
-            return self.op(x.contiguous(), self.packed, self.kind, self.n, self.isa)
-        return self.op(x.reshape(-1, self.k).contiguous(), self.packed, self.kind, self.n, self.isa).view(
+            return self.op(x.contiguous(), self.packed, self.kind, self.n, self.isa, residual)
+        if residual is not None:
+            residual = residual.reshape(-1, self.n).contiguous()
+        return self.op(x.reshape(-1, self.k).contiguous(), self.packed, self.kind, self.n, self.isa, residual).view(
             *x.shape[:-1], self.n)
 
     __call__ = forward

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -190,8 +191,18 @@ bool supported(int64_t isa) {
   }
 }
 
-// x [M, K] (float32, or bfloat16 for bfloat16 weights; int4 takes either) by the packed weight: [M, n] in x's dtype.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t n, int64_t isa) {
+// y = x + y, elementwise in float32, rounded to T once: torch's add of two tensors in T.
+template <typename T>
+void add_residual(const T* x, T* y, int64_t size) {
+  at::parallel_for(0, size, 32768, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) y[i] = T(float(x[i]) + float(y[i]));
+  });
+}
+
+// x [M, K] (float32, or bfloat16 for bfloat16 weights; int4 takes either) by the packed weight: [M, n] in x's dtype,
+// plus residual ([M, n] in that dtype) if given: the layer's output added to the stream it feeds, in the same op.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t n, int64_t isa,
+                  const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
               "linear: x must be a contiguous 2-D CPU tensor");
   TORCH_CHECK(packed.is_contiguous() && packed.device().is_cpu(), "linear: packed weight must be contiguous, on CPU");
@@ -206,6 +217,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
   TORCH_CHECK(kind >= INT4 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
                            : x.scalar_type() == (kind == F32 ? at::kFloat : at::kBFloat16),
               "linear: x's dtype ", x.scalar_type(), " does not fit the weight's");
+  TORCH_CHECK(!residual || (residual->sizes() == at::IntArrayRef{M, n} && residual->is_contiguous() &&
+                            residual->scalar_type() == x.scalar_type() && residual->device().is_cpu()),
+              "linear: the residual must be a contiguous [M, n] CPU tensor in x's dtype");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
   at::Tensor xs = kind >= INT4 && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;  // quantized from float32
@@ -217,15 +231,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
       default: return avx512bf16::linear(kind, xs.data_ptr(), w, out, M, K, n);
     }
   };
-  if (y.scalar_type() == at::kFloat) run(y.data_ptr<float>());
-  else run(reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
+  if (y.scalar_type() == at::kFloat) {
+    run(y.data_ptr<float>());
+    if (residual) add_residual(residual->const_data_ptr<float>(), y.data_ptr<float>(), M * n);
+  } else {
+    run(reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
+    if (residual) add_residual(residual->const_data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), M * n);
+  }
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(laneserve_cpu, m) {
-  m.def("linear(Tensor x, Tensor packed, int kind, int n, int isa) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int kind, int n, int isa, Tensor? residual=None) -> Tensor");
   m.def("supported(int isa) -> bool");
   m.impl("linear", c10::DispatchKey::CPU, linear);
   m.impl("supported", c10::DispatchKey::CatchAll, [](int64_t isa) { return supported(isa); });

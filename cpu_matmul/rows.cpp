@@ -5,13 +5,19 @@
 //   -ffp-contract=off). One op where the torch form (cpu.FusedRMSNorm, the fallback) takes five.
 // - store_kv: new tokens' K and V rows into their cache slots (slot -1 skipped), non-finite values stored as 0:
 //   cpu.store_finite_kv's two nan_to_num and two index_copy_ (and the slot check) in one op, the same bytes.
+// - rope_store: a step's fused QKV rows [tokens, (heads + 2 kv_heads) * dim] rotated and stored: model.apply_rope on
+//   the Q and K heads, rounded where its torch ops round (q' = T(fma(roll(x), sin, T(x * cos))), sin's first half
+//   negated), then store_kv's store of the K and V heads; returns the rotated Q heads [tokens, heads, dim]. One op
+//   where cpu.fused_block's torch form takes eight.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -44,18 +50,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
+// A K or V row (finite values, else 0) into its slot.
+template <typename T>
+inline void put_row(const T* src, T* dst, int64_t row) {
+  for (int64_t i = 0; i < row; ++i) dst[i] = std::isfinite(float(src[i])) ? src[i] : T(0);
+}
+
 template <typename T>
 void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots, int64_t row) {
   const T* src = static_cast<const T*>(x.const_data_ptr());
   T* dst = static_cast<T*>(cache.mutable_data_ptr());
   const int64_t tokens = x.size(0), stride = x.stride(0);
   for (int64_t t = 0; t < tokens; ++t) {
-    if (slots[t] < 0) continue;
-    for (int64_t i = 0; i < row; ++i) {
-      const T v = src[t * stride + i];
-      dst[slots[t] * row + i] = std::isfinite(float(v)) ? v : T(0);
-    }
+    if (slots[t] >= 0) put_row(src + t * stride, dst + slots[t] * row, row);
   }
+}
+
+void check_slots(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
+              "store_kv: contiguous caches of one shape, int64 slots");
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " past the cache's ", num_slots);
 }
 
 // key, value [tokens, kv_heads, dim] (a token's heads contiguous); caches [blocks, block_size, kv_heads, dim] in
@@ -68,13 +86,8 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
                     t->stride(1) == t->size(2) && t->scalar_type() == k_cache.scalar_type() &&
                     t->size(0) == slot_mapping.numel(),
                 "store_kv: key and value [tokens, kv_heads, dim] rows in the cache's dtype, one slot each");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
-              "store_kv: contiguous caches of one shape, int64 slots");
+  check_slots(k_cache, v_cache, slot_mapping);
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
-    TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " past the cache's ", num_slots);
   if (k_cache.scalar_type() == at::kBFloat16) {
     store_rows<c10::BFloat16>(key, k_cache, slots, row);
     store_rows<c10::BFloat16>(value, v_cache, slots, row);
@@ -85,6 +98,59 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   }
 }
 
+// Element i of a head takes x[i] * cos[i] + x[(i + dim / 2) % dim] * sin[i] (torch.roll by dim / 2), the second
+// product and the sum fused as torch's addcmul fuses them in float32 (a product of two bfloat16 values is exact in
+// float32: there fused or not is the same). FMA: used only where cpu_matmul.isa() vouches for AVX2 and FMA.
+template <typename T>
+__attribute__((target("avx2,fma"))) void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache, T* v_cache, const int64_t* slots,
+               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {
+  const int64_t width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> k(row);
+    for (int64_t t = begin; t < end; ++t) {
+      const T *x = qkv + t * width, *c = cos + t * dim, *s = sin + t * dim;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        const T* xh = x + h * dim;
+        T* out = h < heads ? q + (t * heads + h) * dim : k.data() + (h - heads) * dim;
+        for (int64_t i = 0; i < dim; ++i)
+          out[i] = T(std::fma(float(xh[(i + dim / 2) % dim]), float(s[i]), float(T(float(xh[i]) * float(c[i])))));
+      }
+      if (slots[t] >= 0) {
+        put_row(k.data(), k_cache + slots[t] * row, row);
+        put_row(x + (heads + kv_heads) * dim, v_cache + slots[t] * row, row);
+      }
+    }
+  });
+}
+
+// qkv [tokens, (heads + 2 kv_heads) * dim]; cos, sin [tokens, 1, dim] (or [tokens, dim]); caches [blocks,
+// block_size, kv_heads, dim], all in one dtype; slot_mapping [tokens] int64.
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                      at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t heads) {
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  const auto dtype = k_cache.scalar_type();
+  for (const at::Tensor* t : {&qkv, &cos, &sin})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == dtype,
+                "rope_store: contiguous CPU tensors in the cache's dtype");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim && cos.numel() == tokens * dim &&
+                  sin.numel() == tokens * dim && slot_mapping.numel() == tokens && dim % 2 == 0,
+              "rope_store: qkv [tokens, (heads + 2 kv_heads) * dim], cos and sin a row of dim per token");
+  check_slots(k_cache, v_cache, slot_mapping);
+  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  if (dtype == at::kBFloat16) {
+    using B = c10::BFloat16;
+    rope_rows(qkv.const_data_ptr<B>(), cos.const_data_ptr<B>(), sin.const_data_ptr<B>(), q.mutable_data_ptr<B>(),
+              k_cache.mutable_data_ptr<B>(), v_cache.mutable_data_ptr<B>(), slots, tokens, heads, kv_heads, dim);
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "rope_store: float32 or bfloat16, got ", dtype);
+    rope_rows(qkv.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
+              q.mutable_data_ptr<float>(), k_cache.mutable_data_ptr<float>(), v_cache.mutable_data_ptr<float>(), slots,
+              tokens, heads, kv_heads, dim);
+  }
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(laneserve_cpu, m) {
@@ -92,4 +158,7 @@ TORCH_LIBRARY_FRAGMENT(laneserve_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, rms_norm);
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.impl("store_kv", c10::DispatchKey::CPU, store_kv);
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "int heads) -> Tensor");
+  m.impl("rope_store", c10::DispatchKey::CPU, rope_store);
 }
