@@ -4,7 +4,6 @@ checkpoint's own 4-bit weights). optimize() swaps them into a loaded model once.
 from __future__ import annotations
 
 import ctypes
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -53,10 +52,6 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
     model.attention = BucketedAttention(kernel=isa is not None)
     model.store_kv = store_kv_by_kernel if isa else store_finite_kv
     _replace(model, nn.RMSNorm, cpu_matmul.RMSNorm if isa else FusedRMSNorm)
-    c = model.config  # Llama's layers, whole (one rank's shards add their outputs across ranks: no residual there)
-    if isa and not (c.qk_norm or c.gemma) and all(layer.heads == c.num_attention_heads for layer in model.layers):
-        for layer in model.layers:
-            layer.forward = partial(fused_block, layer)
 
     def tiled(linear: nn.Linear) -> nn.Module:
         # int4 for the layers only: GGUF files keep the LM head at 8 bits (Q8_0), so does our kernel.
@@ -67,21 +62,34 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
             return TiledLinear(Int4Linear(linear.weight), tile)
         return TiledLinear(PackedLinear(linear.weight, tile) if packs else linear, tile)
     _replace(model, nn.Linear, tiled)
+    c = model.config  # Llama's layers, whole (one rank's shards add their outputs across ranks: no residual there)
+    if isa and not (c.qk_norm or c.gemma) and all(layer.heads == c.num_attention_heads for layer in model.layers):
+        for layer in model.layers:
+            layer.forward = FusedBlock(layer)
 
 
-def fused_block(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                kv_cache: tuple[torch.Tensor, ...], ops: Transformer) -> torch.Tensor:
-    """Block.forward's bits for a Llama layer on cpu_matmul in half its ops (each op costs a few us of Python and
-    dispatch, and a one-stream step runs 30 layers of them): RoPE and the K/V store are one op (rows.cpp's
-    rope_store), the residual adds ride on the o and down matmuls. An 8-bit cache takes Block.forward."""
-    if len(kv_cache) > 2:
-        return Block.forward(block, x, cos, sin, meta, kv_cache, ops)
-    n = x.shape[0]
-    q = torch.ops.laneserve_cpu.rope_store(block.qkv(block.attn_norm(x)), cos, sin, *kv_cache, meta.slot_mapping,
-                                           block.heads)
-    x = block.o(ops.attention(q, *kv_cache, meta, block.scale, window=block.window).view(n, -1), x)
-    gate, up = block.gate_up(block.mlp_norm(x)).view(n, 2, -1).unbind(1)
-    return block.down(block.act(gate) * up, x)
+class FusedBlock:
+    """Block.forward's bits for a Llama layer on cpu_matmul, in half its ops and with its modules looked up once (an op
+    costs a few us of Python and dispatch, a submodule lookup about one, and a one-stream step runs 30 layers of them
+    beside the weights): RoPE and the K/V store are one op (rows.cpp's rope_store), the residual adds ride on the o and
+    down matmuls. An 8-bit cache takes Block.forward."""
+
+    def __init__(self, block: Block):
+        self.block, self.heads, self.scale, self.window, self.act = (block, block.heads, block.scale, block.window,
+                                                                     block.act)
+        self.attn_norm, self.qkv, self.o = block.attn_norm.forward, block.qkv.forward, block.o.forward
+        self.mlp_norm, self.gate_up, self.down = block.mlp_norm.forward, block.gate_up.forward, block.down.forward
+        self.rope_store = torch.ops.laneserve_cpu.rope_store.default
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
+                 kv_cache: tuple[torch.Tensor, ...], ops: Transformer) -> torch.Tensor:
+        if len(kv_cache) > 2:
+            return Block.forward(self.block, x, cos, sin, meta, kv_cache, ops)
+        n = x.shape[0]
+        q = self.rope_store(self.qkv(self.attn_norm(x)), cos, sin, *kv_cache, meta.slot_mapping, self.heads)
+        x = self.o(ops.attention(q, *kv_cache, meta, self.scale, window=self.window).view(n, -1), x)
+        gate, up = self.gate_up(self.mlp_norm(x)).view(n, 2, -1).unbind(1)
+        return self.down(self.act(gate) * up, x)
 
 
 def keep_freed_memory() -> None:

@@ -1,7 +1,6 @@
 """The CPU matmul kernel (cpu_matmul): near the float64 product, and each row the same bits whatever the number of
 rows beside it, its place among them and the thread count, in every instruction set this CPU runs (AVX2 forced
 too), for float32, bfloat16, int4 and int8 weights. The lane tests run the engine on it (test_lanes.py)."""
-import functools
 import os
 import subprocess
 import sys
@@ -213,12 +212,12 @@ def test_a_residual_is_added_as_torch_adds(dtype, quant):
 
 @pytest.mark.parametrize("dtype, quant", [("float32", None), ("bfloat16", None), ("bfloat16", "int4")])
 def test_fused_block_is_block_forward(dtype, quant):
-    # cpu.optimize's fused_block gives Block.forward's logits bit for bit over a step of prompt pieces and decodes.
+    # cpu.optimize's FusedBlock gives Block.forward's logits bit for bit over a step of prompt pieces and decodes.
     from engine import LLM, SamplingParams
     llm = LLM(model="smollm2-135m", dummy_weights=True, device="cpu", dtype=dtype, quantization=quant,
               num_kv_blocks=64, max_num_batched_tokens=48)
     layers = llm.runner.model.layers
-    assert all(isinstance(layer.forward, functools.partial) for layer in layers)
+    assert all(isinstance(layer.forward, cpu.FusedBlock) for layer in layers)
     logits, forward = [], model.Transformer.forward
 
     def kept(*args):

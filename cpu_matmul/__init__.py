@@ -161,7 +161,7 @@ class Linear(nn.Module):
                   if quant == "int8" else pack(w))
         # A plain attribute, not a buffer, and no hooks (__call__ is forward): nn.Module's lookups cost a few us a
         # call, and a one-stream step makes 121 of these calls.
-        self.packed, self.op = packed, torch.ops.laneserve_cpu.linear
+        self.packed, self.op = packed, torch.ops.laneserve_cpu.linear.default
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T, plus residual (x's shape but n features, in x's dtype) if given, rounded as torch's add."""
@@ -183,7 +183,7 @@ class RMSNorm(nn.Module):
     def __init__(self, norm: nn.RMSNorm):
         super().__init__()
         self.weight, self.eps = norm.weight.detach(), norm.eps  # plain tensors and no hooks, as Linear
-        self.op = torch.ops.laneserve_cpu.rms_norm
+        self.op = torch.ops.laneserve_cpu.rms_norm.default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x.contiguous(), self.weight, self.eps)

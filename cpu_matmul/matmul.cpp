@@ -222,13 +222,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
               "linear: the residual must be a contiguous [M, n] CPU tensor in x's dtype");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  at::Tensor xs = kind >= INT4 && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;  // quantized from float32
   auto run = [&](auto* out) {
     const void* w = packed.data_ptr();
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
     switch (isa) {
-      case AVX2: return avx2::linear(kind, xs.data_ptr(), w, out, M, K, n);
-      case AVX512: return avx512::linear(kind, xs.data_ptr(), w, out, M, K, n);
-      default: return avx512bf16::linear(kind, xs.data_ptr(), w, out, M, K, n);
+      case AVX2: return avx2::linear(kind, x.data_ptr(), bf16, w, out, M, K, n);
+      case AVX512: return avx512::linear(kind, x.data_ptr(), bf16, w, out, M, K, n);
+      default: return avx512bf16::linear(kind, x.data_ptr(), bf16, w, out, M, K, n);
     }
   };
   if (y.scalar_type() == at::kFloat) {
@@ -365,17 +365,19 @@ void quant_tile(const int16_t* xq, const float* dx, const float* xsum, const int
 
 // The whole product: threads over groups of C column blocks; in each, all rows, ROWS at a time.
 template <typename Out>
-void linear(int64_t kind, const void* x, const void* w, Out* y, int64_t M, int64_t K, int64_t n) {
+void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int64_t M, int64_t K, int64_t n) {
   const int64_t blocks = (n + 63) / 64 * 4, G = K / 32;
   const bool codes = kind == INT4 || kind == INT8;
   std::vector<float> dx(codes ? M * G : 0), xsum(dx.size());
   std::vector<int32_t> xqsum(dx.size());
   std::vector<int16_t> xq(codes ? M * K : 0);
   if (codes) {  // each row's groups quantized to int16, from their own values alone
-    const float* xf = static_cast<const float*>(x);
     at::parallel_for(0, M * G, 4096, [&](int64_t b, int64_t e) {  // a decode step's few groups: no threads
       for (int64_t i = b; i < e; ++i) {
-        const float* v = xf + i * 32;
+        float v[32];  // x's group in float32 (from bfloat16: exact)
+        for (int k = 0; k < 32; ++k)
+          v[k] = x_bf16 ? __builtin_bit_cast(float, uint32_t(static_cast<const uint16_t*>(x)[i * 32 + k]) << 16)
+                        : static_cast<const float*>(x)[i * 32 + k];
         float amax = 0, sum = 0;
         for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k])), sum += v[k];
         const float inv = amax > 0 ? 32767.0f / amax : 0.0f;
