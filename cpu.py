@@ -4,6 +4,7 @@ checkpoint's own 4-bit weights). optimize() swaps them into a loaded model once.
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
         {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags))
 
     isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None  # the kernels take float32 and bfloat16
-    model.attention = BucketedAttention(kernel=isa is not None)
+    model.attention = BucketedAttention(kernel=isa is not None and model.config.head_dim % 8 == 0)
     model.store_kv = store_kv_by_kernel if isa else store_finite_kv
     _replace(model, nn.RMSNorm, cpu_matmul.RMSNorm if isa else FusedRMSNorm)
 
@@ -71,25 +72,38 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
 class FusedBlock:
     """Block.forward's bits for a Llama layer on cpu_matmul, in half its ops and with its modules looked up once (an op
     costs a few us of Python and dispatch, a submodule lookup about one, and a one-stream step runs 30 layers of them
-    beside the weights): RoPE and the K/V store are one op (rows.cpp's rope_store), the residual adds ride on the o and
-    down matmuls. An 8-bit cache takes Block.forward."""
+    beside the weights): RoPE and the K/V store are one op (rows.cpp's rope_store), the residual add rides on the o
+    matmul, and the MLP with its norm and residual is one op (rows.cpp's mlp); in a step of generated tokens alone
+    (every decode step) so is the attention half (rows.cpp's attend). An 8-bit cache takes Block.forward."""
 
     def __init__(self, block: Block):
-        self.block, self.heads, self.scale, self.window, self.act = (block, block.heads, block.scale, block.window,
-                                                                     block.act)
+        self.block, self.heads, self.scale, self.window = block, block.heads, block.scale, block.window
         self.attn_norm, self.qkv, self.o = block.attn_norm.forward, block.qkv.forward, block.o.forward
-        self.mlp_norm, self.gate_up, self.down = block.mlp_norm.forward, block.gate_up.forward, block.down.forward
         self.rope_store = torch.ops.laneserve_cpu.rope_store.default
+        qkv, o = block.qkv, block.o  # rows.cpp's attend's arguments beside the step's
+        self.attend = partial(torch.ops.laneserve_cpu.attend.default, norm=block.attn_norm.weight,
+                              eps=block.attn_norm.eps, qkv=qkv.packed, qkv_kind=qkv.kind, qkv_n=qkv.n, heads=block.heads,
+                              scale=block.scale, window=block.window, o=o.packed, o_kind=o.kind, o_n=o.n, isa=qkv.isa)
+        up, down = block.gate_up, block.down  # the MLP's arguments to rows.cpp's mlp
+        self.mlp = partial(torch.ops.laneserve_cpu.mlp.default, norm=block.mlp_norm.weight, eps=block.mlp_norm.eps,
+                           gate_up=up.packed, gate_up_kind=up.kind, gate_up_n=up.n, down=down.packed,
+                           down_kind=down.kind, down_n=down.n, isa=up.isa)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
                  kv_cache: tuple[torch.Tensor, ...], ops: Transformer) -> torch.Tensor:
         if len(kv_cache) > 2:
             return Block.forward(self.block, x, cos, sin, meta, kv_cache, ops)
+        attention = ops.attention
+        token_calls, group_calls = (attention.planned(meta, kv_cache[0], x.dtype, self.window)
+                                    if isinstance(attention, BucketedAttention) and attention.kernel else ([], []))
+        if token_calls and not group_calls:  # every token generated: one op
+            tables, rows, seqs, positions = token_calls[0]
+            return self.mlp(self.attend(x, cos=cos, sin=sin, k_cache=kv_cache[0], v_cache=kv_cache[1],
+                                        slot_mapping=meta.slot_mapping, block_tables=tables, rows=rows, seqs=seqs,
+                                        positions=positions))
         n = x.shape[0]
         q = self.rope_store(self.qkv(self.attn_norm(x)), cos, sin, *kv_cache, meta.slot_mapping, self.heads)
-        x = self.o(ops.attention(q, *kv_cache, meta, self.scale, window=self.window).view(n, -1), x)
-        gate, up = self.gate_up(self.mlp_norm(x)).view(n, 2, -1).unbind(1)
-        return self.down(self.act(gate) * up, x)
+        return self.mlp(self.o(ops.attention(q, *kv_cache, meta, self.scale, window=self.window).view(n, -1), x))
 
 
 def keep_freed_memory() -> None:
@@ -190,7 +204,7 @@ class BucketedAttention:
     - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values
       ([heads, b] by [b, kv_heads * dim]), with its own copy of the keys. Items with the same b run together.
       Where cpu_matmul builds (kernel), its token_attention computes every generated token instead, one task per
-      token, reading only keys 0..p.
+      token and query head, reading only keys 0..p.
     - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
       own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
       bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of its keys.
@@ -268,14 +282,18 @@ class BucketedAttention:
             group_calls.append((query_rows[run].flatten(), blocks(ids[run] // span, b), mask, index[present], present))
         return token_calls, group_calls
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
-                 scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    def planned(self, meta: BatchMeta, k_cache: torch.Tensor, dtype: torch.dtype, window: int) -> tuple[list, list]:
+        """plan's calls, made once per step and window."""
         if meta is not self.meta:
             self.meta, self.plans = meta, {}
         if window not in self.plans:
-            self.plans[window] = self.plan(meta, k_cache, query.dtype, window)
-        token_calls, group_calls = self.plans[window]
+            self.plans[window] = self.plan(meta, k_cache, dtype, window)
+        return self.plans[window]
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                 scale: float, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+        token_calls, group_calls = self.planned(meta, k_cache, query.dtype, window)
         n, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
         heads_per_kv = heads // kv_heads

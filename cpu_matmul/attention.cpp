@@ -2,9 +2,9 @@
 // each generated token (a decode, or a recomputed output token) attends to its own sequence's cached keys
 // 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
 //
-// - Tasks: one per token, split over threads by at::parallel_for (never within a token), so a token's bits never
-//   depend on the other tokens of the step or on the thread count. A task copies its keys' and values' slot rows
-//   (every KV head, whole) to float32 buffers, then computes each KV head's heads_per_kv query heads.
+// - Tasks: one per token and query head, split over threads by at::parallel_for (never within a task), so a token's
+//   bits never depend on the other tokens of the step or on the thread count. A task reads its KV head's keys and
+//   values from their slots.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
 //   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
 //   out = T(sum_j p_j v_j). Products and sums in float32; e^x by exp8, the same polynomial in every lane.
@@ -79,91 +79,67 @@ inline v8 exp8(v8 x) {
   return (v8)((v8i)y + (n << 23));
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  v8 acc = {};
-  int d = 0;
-  for (; d + 8 <= n; d += 8) {
-    v8 x, y;
-    std::memcpy(&x, a + d, sizeof x);
-    std::memcpy(&y, b + d, sizeof y);
-    acc += x * y;
-  }
-  float l[8];
-  std::memcpy(l, &acc, sizeof l);
-  for (int i = 0; d < n; ++d, ++i) l[i] += a[d] * b[d];
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
-// Cached tokens' vectors for one KV head as T's values in float32 (an 8-bit code times its scale, in T).
+// 8 elements of a cached vector as T's values in float32 (an 8-bit code times the token's scale, in T).
 template <typename T, typename C>
-inline void load(const C* cache, const float* scales, int64_t slot_head, int dim, float* out) {
-  const C* x = cache + slot_head * dim;
-  if constexpr (std::is_same_v<C, T>) {
-    for (int d = 0; d < dim; ++d) out[d] = to_float(x[d]);
+inline v8 load8(const C* x, float scale) {
+  v8 r;
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {  // a bfloat16 is a float32's top half
+    typedef uint16_t u16x8 __attribute__((vector_size(16)));
+    u16x8 h;
+    std::memcpy(&h, x, sizeof h);
+    r = (v8)(__builtin_convertvector(h, v8i) << 16);
+  } else if constexpr (std::is_same_v<C, float>) {
+    std::memcpy(&r, x, sizeof r);
   } else {
-    const float s = scales[slot_head];
-    for (int d = 0; d < dim; ++d) out[d] = round_to<T>(to_float(x[d]) * s);
+    for (int l = 0; l < 8; ++l) r[l] = round_to<T>(to_float(x[l]) * scale);
   }
+  return r;
 }
 
 template <typename T, typename C>
 void run(const Args& a) {
   const int dim = a.dim, group = a.heads / a.kv_heads;
   const T* q_all = static_cast<const T*>(a.query);
+  const C *k_cache = static_cast<const C*>(a.k_cache), *v_cache = static_cast<const C*>(a.v_cache);
   T* o_all = static_cast<T*>(a.out);
-  const int64_t row = a.kv_heads * dim;  // a slot's floats: every KV head's vector
-  at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(a.heads * dim), k, v, s;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t pos = a.positions[i];
+  // Task t: token t / heads, query head t % heads (KV head (t % heads) / group): one stream's token uses every thread.
+  at::parallel_for(0, a.n * a.heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(dim), p;
+    std::vector<int64_t> at;  // key j's vector: its offset in the cache / dim, and its scale's offset
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / a.heads, head = task % a.heads, h = head / group, pos = a.positions[i];
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, len = pos + 1 - start;
       const int64_t* table = a.tables + a.seqs[i] * a.width;
-      const int64_t first = a.rows[i] * a.heads * dim;  // the token's offset in query and out
-      for (int d = 0; d < a.heads * dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
-      k.resize(len * row), v.resize(len * row), s.resize(group * len + 8);
-      for (int64_t j = 0; j < len; ++j) {  // key j's slot: block table[j / block_size], row j % block_size
-        const int64_t slot = table[(start + j) / a.block_size] * a.block_size + (start + j) % a.block_size;
-        for (int h = 0; h < a.kv_heads; ++h) {
-          load<T>(static_cast<const C*>(a.k_cache), a.k_scales, slot * a.kv_heads + h, dim, &k[j * row + h * dim]);
-          load<T>(static_cast<const C*>(a.v_cache), a.v_scales, slot * a.kv_heads + h, dim, &v[j * row + h * dim]);
+      const int64_t first = (a.rows[i] * a.heads + head) * dim;  // the head's offset in query and out
+      for (int d = 0; d < dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
+      at.resize(len), p.resize(len + 8);
+      for (int64_t j = 0; j < len; ++j)  // key j's slot: block table[j / block_size], row j % block_size
+        at[j] = (table[(start + j) / a.block_size] * a.block_size + (start + j) % a.block_size) * a.kv_heads + h;
+      for (int64_t j = 0; j < len; ++j) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
+        v8 acc = {};
+        for (int d = 0; d < dim; d += 8) {
+          v8 x;
+          std::memcpy(&x, &q[d], sizeof x);
+          acc += x * load8<T>(k_cache + at[j] * dim + d, a.k_scales ? a.k_scales[at[j]] : 1.0f);
         }
+        p[j] = round_to<T>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
       }
-      for (int64_t h = 0; h < a.kv_heads; ++h) {
+      const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
+      for (int64_t j = 0; j < len; j += 8) {  // the last chunk reads past len (p has 8 floats spare)
+        v8 x;
+        std::memcpy(&x, &p[j], sizeof x);
+        x = exp8(x - m);
+        std::memcpy(&p[j], &x, std::min<int64_t>(8, len - j) * sizeof(float));
+      }
+      float sum = 0;
+      for (int64_t j = 0; j < len; ++j) sum += p[j];
+      for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
+      T* o = o_all + first;
+      for (int d = 0; d < dim; d += 8) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
+        v8 acc = {};
         for (int64_t j = 0; j < len; ++j)
-          for (int g = 0; g < group; ++g)
-            s[g * len + j] = round_to<T>(dot(&q[(h * group + g) * dim], &k[j * row + h * dim], dim));
-        for (int g = 0; g < group; ++g) {  // softmax, each probability rounded to T
-          float* p = &s[g * len];
-          const float m = *std::max_element(p, p + len);
-          for (int64_t j = 0; j < len; j += 8) {  // the last chunk reads past p's end (s has 8 floats spare)
-            v8 x;
-            std::memcpy(&x, p + j, sizeof x);
-            x = exp8(x - m);
-            std::memcpy(p + j, &x, std::min<int64_t>(8, len - j) * sizeof(float));
-          }
-          float sum = 0;
-          for (int64_t j = 0; j < len; ++j) sum += p[j];
-          for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
-        }
-        for (int g = 0; g < group; ++g) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
-          const float* p = &s[g * len];
-          T* o = o_all + first + (h * group + g) * dim;
-          int d = 0;
-          for (; d + 8 <= dim; d += 8) {
-            v8 acc = {};
-            for (int64_t j = 0; j < len; ++j) {
-              v8 x;
-              std::memcpy(&x, &v[j * row + h * dim + d], sizeof x);
-              acc += p[j] * x;
-            }
-            for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
-          }
-          for (; d < dim; ++d) {
-            float acc = 0;
-            for (int64_t j = 0; j < len; ++j) acc += p[j] * v[j * row + h * dim + d];
-            o[d] = static_cast<T>(acc);
-          }
-        }
+          acc += p[j] * load8<T>(v_cache + at[j] * dim + d, a.v_scales ? a.v_scales[at[j]] : 1.0f);
+        for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
       }
     }
   });
@@ -195,7 +171,8 @@ void token_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   for (const at::Tensor* t : {&block_tables, &rows, &seqs, &positions})
     TORCH_CHECK(t->scalar_type() == at::kLong, "token_attention: int64 indices");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "token_attention: out");
-  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(2) == k_cache.size(3), "token_attention: shapes");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(2) == k_cache.size(3) && query.size(2) % 8 == 0,
+              "token_attention: shapes (heads a multiple of KV heads, dim a multiple of 8)");
   const bool codes = k_cache.element_size() == 1;
   TORCH_CHECK(codes ? k_scale && v_scale : k_cache.scalar_type() == query.scalar_type(),
               "token_attention: a cache in the query's dtype, or 8-bit codes with their scales");

@@ -8,10 +8,19 @@
 // - rope_store: a step's fused QKV rows [tokens, (heads + 2 kv_heads) * dim] rotated and stored: model.apply_rope on
 //   the Q and K heads, rounded where its torch ops round (q' = T(fma(roll(x), sin, T(x * cos))), sin's first half
 //   negated), then store_kv's store of the K and V heads; returns the rotated Q heads [tokens, heads, dim]. One op
-//   where cpu.fused_block's torch form takes eight.
+//   where cpu.FusedBlock's torch form takes eight.
+// - attend: a Llama layer's attention half for a step of generated tokens, x + o(attention(rope_store(qkv(
+//   rms_norm(x))))), attention by token_attention: the ops cpu.FusedBlock would call, called from here (one op
+//   where the Python form takes six, and BucketedAttention's Python).
+// - mlp: a Llama layer's MLP with its norm and residual, x + down(silu(gate) * up) of gate_up(rms_norm(x)): the ops
+//   cpu.FusedBlock would call (rms_norm, the kernel's linear, ATen's silu and mul), called from here: the same bits
+//   in one op where the Python form takes seven (each a few us of Python and dispatch).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -151,6 +160,38 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+using LinearOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                            const std::optional<at::Tensor>&);
+
+// x [tokens, hidden]; norm [hidden]; qkv and o: cpu_matmul.Linear's packed weights, kinds and widths; cos to
+// slot_mapping: rope_store's; block_tables to window: token_attention's call for every token of the step.
+at::Tensor attend(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& qkv, int64_t qkv_kind,
+                  int64_t qkv_n, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                  const at::Tensor& slot_mapping, int64_t heads, const at::Tensor& block_tables, const at::Tensor& rows,
+                  const at::Tensor& seqs, const at::Tensor& positions, double scale, int64_t window,
+                  const at::Tensor& o, int64_t o_kind, int64_t o_n, int64_t isa) {
+  static auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::linear", "").typed<LinearOp>();
+  static auto attention = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::token_attention", "").typed<
+      void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+           const at::Tensor&, const at::Tensor&, double, int64_t, const std::optional<at::Tensor>&,
+           const std::optional<at::Tensor>&, at::Tensor)>();
+  const at::Tensor q = rope_store(linear.call(rms_norm(x, norm, eps), qkv, qkv_kind, qkv_n, isa, std::nullopt), cos,
+                                  sin, k_cache, v_cache, slot_mapping, heads);
+  at::Tensor out = at::empty_like(q);
+  attention.call(q, k_cache, v_cache, block_tables, rows, seqs, positions, scale, window, std::nullopt, std::nullopt,
+                 out);
+  return linear.call(out.view({x.size(0), -1}), o, o_kind, o_n, isa, x);
+}
+
+// x [tokens, hidden]; norm [hidden]; gate_up and down: cpu_matmul.Linear's packed weights, kinds and widths.
+at::Tensor mlp(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& gate_up, int64_t gate_up_kind,
+               int64_t gate_up_n, const at::Tensor& down, int64_t down_kind, int64_t down_n, int64_t isa) {
+  static auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::linear", "").typed<LinearOp>();
+  const at::Tensor both = linear.call(rms_norm(x, norm, eps), gate_up, gate_up_kind, gate_up_n, isa, std::nullopt);
+  const auto halves = both.view({x.size(0), 2, -1}).unbind(1);
+  return linear.call(at::mul(at::silu(halves[0]), halves[1]), down, down_kind, down_n, isa, x);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(laneserve_cpu, m) {
@@ -161,4 +202,11 @@ TORCH_LIBRARY_FRAGMENT(laneserve_cpu, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int heads) -> Tensor");
   m.impl("rope_store", c10::DispatchKey::CPU, rope_store);
+  m.def("attend(Tensor x, Tensor norm, float eps, Tensor qkv, int qkv_kind, int qkv_n, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int heads, Tensor block_tables, Tensor rows, "
+        "Tensor seqs, Tensor positions, float scale, int window, Tensor o, int o_kind, int o_n, int isa) -> Tensor");
+  m.impl("attend", c10::DispatchKey::CPU, attend);
+  m.def("mlp(Tensor x, Tensor norm, float eps, Tensor gate_up, int gate_up_kind, int gate_up_n, Tensor down, "
+        "int down_kind, int down_n, int isa) -> Tensor");
+  m.impl("mlp", c10::DispatchKey::CPU, mlp);
 }
