@@ -2,9 +2,10 @@
 // each generated token (a decode, or a recomputed output token) attends to its own sequence's cached keys
 // 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
 //
-// - Tasks: one per token and query head, split over threads by at::parallel_for (never within a task), so a token's
-//   bits never depend on the other tokens of the step or on the thread count. A task reads its KV head's keys and
-//   values from their slots.
+// - Tasks: one per token (one per query head in a step of few tokens, so that one stream's token uses every thread),
+//   split over threads by at::parallel_for (never within a head), so a token's bits never depend on the other tokens
+//   of the step or on the thread count. A task copies the keys and values of the KV heads it reads (each slot's
+//   heads together) to float32 buffers, then computes its query heads.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
 //   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
 //   out = T(sum_j p_j v_j). Products and sums in float32; e^x by exp8, the same polynomial in every lane.
@@ -102,44 +103,62 @@ void run(const Args& a) {
   const T* q_all = static_cast<const T*>(a.query);
   const C *k_cache = static_cast<const C*>(a.k_cache), *v_cache = static_cast<const C*>(a.v_cache);
   T* o_all = static_cast<T*>(a.out);
-  // Task t: token t / heads, query head t % heads (KV head (t % heads) / group): one stream's token uses every thread.
-  at::parallel_for(0, a.n * a.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(dim), p;
-    std::vector<int64_t> at;  // key j's vector: its offset in the cache / dim, and its scale's offset
+  // A task: one token, or one of its query heads (split) when the step has too few tokens to keep every thread
+  // busy, as one stream's step: a head's arithmetic is the same either way.
+  const int64_t split = a.n >= 4 * at::get_num_threads() ? 1 : a.heads;
+  at::parallel_for(0, a.n * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(dim), k, v, p;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / a.heads, head = task % a.heads, h = head / group, pos = a.positions[i];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, len = pos + 1 - start;
-      const int64_t* table = a.tables + a.seqs[i] * a.width;
-      const int64_t first = (a.rows[i] * a.heads + head) * dim;  // the head's offset in query and out
-      for (int d = 0; d < dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
-      at.resize(len), p.resize(len + 8);
-      for (int64_t j = 0; j < len; ++j)  // key j's slot: block table[j / block_size], row j % block_size
-        at[j] = (table[(start + j) / a.block_size] * a.block_size + (start + j) % a.block_size) * a.kv_heads + h;
-      for (int64_t j = 0; j < len; ++j) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
-        v8 acc = {};
-        for (int d = 0; d < dim; d += 8) {
-          v8 x;
-          std::memcpy(&x, &q[d], sizeof x);
-          acc += x * load8<T>(k_cache + at[j] * dim + d, a.k_scales ? a.k_scales[at[j]] : 1.0f);
+      const int64_t i = task / split, head0 = task % split * a.heads / split, head1 = head0 + a.heads / split;
+      const int64_t kv0 = head0 / group, kvs = (head1 - 1) / group + 1 - kv0;  // the KV heads it reads
+      const int64_t pos = a.positions[i], start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+      const int64_t len = pos + 1 - start, *table = a.tables + a.seqs[i] * a.width;
+      k.resize(len * kvs * dim), v.resize(len * kvs * dim), p.resize(len + 8);
+      for (int64_t j = 0; j < len; ++j) {  // key j's slot: block table[j / block_size], row j % block_size
+        const int64_t slot = table[(start + j) / a.block_size] * a.block_size + (start + j) % a.block_size;
+        for (int64_t h = 0; h < kvs; ++h) {
+          const int64_t at = slot * a.kv_heads + kv0 + h;  // its vector's offset in the cache / dim, its scale's
+          for (int d = 0; d < dim; d += 8) {
+            const v8 kj = load8<T>(k_cache + at * dim + d, a.k_scales ? a.k_scales[at] : 1.0f);
+            const v8 vj = load8<T>(v_cache + at * dim + d, a.v_scales ? a.v_scales[at] : 1.0f);
+            std::memcpy(&k[(j * kvs + h) * dim + d], &kj, sizeof kj);
+            std::memcpy(&v[(j * kvs + h) * dim + d], &vj, sizeof vj);
+          }
         }
-        p[j] = round_to<T>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
       }
-      const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
-      for (int64_t j = 0; j < len; j += 8) {  // the last chunk reads past len (p has 8 floats spare)
-        v8 x;
-        std::memcpy(&x, &p[j], sizeof x);
-        x = exp8(x - m);
-        std::memcpy(&p[j], &x, std::min<int64_t>(8, len - j) * sizeof(float));
-      }
-      float sum = 0;
-      for (int64_t j = 0; j < len; ++j) sum += p[j];
-      for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
-      T* o = o_all + first;
-      for (int d = 0; d < dim; d += 8) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
-        v8 acc = {};
-        for (int64_t j = 0; j < len; ++j)
-          acc += p[j] * load8<T>(v_cache + at[j] * dim + d, a.v_scales ? a.v_scales[at[j]] : 1.0f);
-        for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
+      for (int64_t head = head0; head < head1; ++head) {
+        const int64_t first = (a.rows[i] * a.heads + head) * dim, h = head / group - kv0;  // offset in query and out
+        for (int d = 0; d < dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
+        for (int64_t j = 0; j < len; ++j) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
+          v8 acc = {};
+          for (int d = 0; d < dim; d += 8) {
+            v8 x, y;
+            std::memcpy(&x, &q[d], sizeof x);
+            std::memcpy(&y, &k[(j * kvs + h) * dim + d], sizeof y);
+            acc += x * y;
+          }
+          p[j] = round_to<T>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+        }
+        const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
+        for (int64_t j = 0; j < len; j += 8) {  // the last chunk reads past len (p has 8 floats spare)
+          v8 x;
+          std::memcpy(&x, &p[j], sizeof x);
+          x = exp8(x - m);
+          std::memcpy(&p[j], &x, std::min<int64_t>(8, len - j) * sizeof(float));
+        }
+        float sum = 0;
+        for (int64_t j = 0; j < len; ++j) sum += p[j];
+        for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
+        T* o = o_all + first;
+        for (int d = 0; d < dim; d += 8) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
+          v8 acc = {};
+          for (int64_t j = 0; j < len; ++j) {
+            v8 x;
+            std::memcpy(&x, &v[(j * kvs + h) * dim + d], sizeof x);
+            acc += p[j] * x;
+          }
+          for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
+        }
       }
     }
   });
