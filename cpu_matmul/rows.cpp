@@ -163,13 +163,14 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 using LinearOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                             const std::optional<at::Tensor>&);
 
-// x [tokens, hidden]; norm [hidden]; qkv and o: cpu_matmul.Linear's packed weights, kinds and widths; cos to
-// slot_mapping: rope_store's; block_tables to window: token_attention's call for every token of the step.
-at::Tensor attend(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& qkv, int64_t qkv_kind,
-                  int64_t qkv_n, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                  const at::Tensor& slot_mapping, int64_t heads, const at::Tensor& block_tables, const at::Tensor& rows,
-                  const at::Tensor& seqs, const at::Tensor& positions, double scale, int64_t window,
-                  const at::Tensor& o, int64_t o_kind, int64_t o_n, int64_t isa) {
+// The layer's arguments first (bound once in Python: keyword arguments cost a quarter of a us each), then the
+// step's. norm [hidden]; qkv and o: cpu_matmul.Linear's packed weights, kinds and widths; x [tokens, hidden]; cos to
+// slot_mapping: rope_store's; heads, scale, window and block_tables to positions: token_attention's.
+at::Tensor attend(const at::Tensor& norm, double eps, const at::Tensor& qkv, int64_t qkv_kind, int64_t qkv_n,
+                  int64_t heads, double scale, int64_t window, const at::Tensor& o, int64_t o_kind, int64_t o_n,
+                  int64_t isa, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                  at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                  const at::Tensor& rows, const at::Tensor& seqs, const at::Tensor& positions) {
   static auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::linear", "").typed<LinearOp>();
   static auto attention = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::token_attention", "").typed<
       void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -183,9 +184,9 @@ at::Tensor attend(const at::Tensor& x, const at::Tensor& norm, double eps, const
   return linear.call(out.view({x.size(0), -1}), o, o_kind, o_n, isa, x);
 }
 
-// x [tokens, hidden]; norm [hidden]; gate_up and down: cpu_matmul.Linear's packed weights, kinds and widths.
-at::Tensor mlp(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& gate_up, int64_t gate_up_kind,
-               int64_t gate_up_n, const at::Tensor& down, int64_t down_kind, int64_t down_n, int64_t isa) {
+// norm [hidden]; gate_up and down: cpu_matmul.Linear's packed weights, kinds and widths; x [tokens, hidden].
+at::Tensor mlp(const at::Tensor& norm, double eps, const at::Tensor& gate_up, int64_t gate_up_kind, int64_t gate_up_n,
+               const at::Tensor& down, int64_t down_kind, int64_t down_n, int64_t isa, const at::Tensor& x) {
   static auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::linear", "").typed<LinearOp>();
   const at::Tensor both = linear.call(rms_norm(x, norm, eps), gate_up, gate_up_kind, gate_up_n, isa, std::nullopt);
   const auto halves = both.view({x.size(0), 2, -1}).unbind(1);
@@ -202,11 +203,12 @@ TORCH_LIBRARY_FRAGMENT(laneserve_cpu, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int heads) -> Tensor");
   m.impl("rope_store", c10::DispatchKey::CPU, rope_store);
-  m.def("attend(Tensor x, Tensor norm, float eps, Tensor qkv, int qkv_kind, int qkv_n, Tensor cos, Tensor sin, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int heads, Tensor block_tables, Tensor rows, "
-        "Tensor seqs, Tensor positions, float scale, int window, Tensor o, int o_kind, int o_n, int isa) -> Tensor");
+  m.def("attend(Tensor norm, float eps, Tensor qkv, int qkv_kind, int qkv_n, int heads, float scale, int window, "
+        "Tensor o, int o_kind, int o_n, int isa, Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor rows, Tensor seqs, Tensor positions) "
+        "-> Tensor");
   m.impl("attend", c10::DispatchKey::CPU, attend);
-  m.def("mlp(Tensor x, Tensor norm, float eps, Tensor gate_up, int gate_up_kind, int gate_up_n, Tensor down, "
-        "int down_kind, int down_n, int isa) -> Tensor");
+  m.def("mlp(Tensor norm, float eps, Tensor gate_up, int gate_up_kind, int gate_up_n, Tensor down, int down_kind, "
+        "int down_n, int isa, Tensor x) -> Tensor");
   m.impl("mlp", c10::DispatchKey::CPU, mlp);
 }
