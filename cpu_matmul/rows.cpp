@@ -30,6 +30,14 @@
 
 namespace {
 
+// Calls f(T{}) with T the C++ type of dtype: float32 or bfloat16.
+template <typename F>
+void by_dtype(at::ScalarType dtype, const char* op, F&& f) {
+  if (dtype == at::kBFloat16) return f(c10::BFloat16{});
+  TORCH_CHECK(dtype == at::kFloat, op, ": float32 or bfloat16, got ", dtype);
+  f(float{});
+}
+
 template <typename T>
 void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t d, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -49,13 +57,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
               "rms_norm: x must be a contiguous CPU tensor whose last dimension is weight's, in weight's dtype");
   at::Tensor y = at::empty_like(x);
   const int64_t d = weight.size(0), rows = d ? x.numel() / d : 0;
-  if (x.scalar_type() == at::kFloat)
-    rms_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, d, (float)eps);
-  else if (x.scalar_type() == at::kBFloat16)
-    rms_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, d,
-             (float)eps);
-  else
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
+  by_dtype(x.scalar_type(), "rms_norm", [&](auto type) {
+    using T = decltype(type);
+    rms_rows(x.data_ptr<T>(), weight.data_ptr<T>(), y.data_ptr<T>(), rows, d, (float)eps);
+  });
   return y;
 }
 
@@ -97,22 +102,19 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
                 "store_kv: key and value [tokens, kv_heads, dim] rows in the cache's dtype, one slot each");
   check_slots(k_cache, v_cache, slot_mapping);
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  if (k_cache.scalar_type() == at::kBFloat16) {
-    store_rows<c10::BFloat16>(key, k_cache, slots, row);
-    store_rows<c10::BFloat16>(value, v_cache, slots, row);
-  } else {
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "store_kv: float32 or bfloat16 caches");
-    store_rows<float>(key, k_cache, slots, row);
-    store_rows<float>(value, v_cache, slots, row);
-  }
+  by_dtype(k_cache.scalar_type(), "store_kv", [&](auto type) {
+    store_rows<decltype(type)>(key, k_cache, slots, row);
+    store_rows<decltype(type)>(value, v_cache, slots, row);
+  });
 }
 
 // Element i of a head takes x[i] * cos[i] + x[(i + dim / 2) % dim] * sin[i] (torch.roll by dim / 2), the second
 // product and the sum fused as torch's addcmul fuses them in float32 (a product of two bfloat16 values is exact in
 // float32: there fused or not is the same). FMA: used only where cpu_matmul.isa() vouches for AVX2 and FMA.
 template <typename T>
-__attribute__((target("avx2,fma"))) void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache, T* v_cache, const int64_t* slots,
-               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {
+__attribute__((target("avx2,fma"))) void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache,
+                                                   T* v_cache, const int64_t* slots, int64_t tokens, int64_t heads,
+                                                   int64_t kv_heads, int64_t dim) {
   const int64_t width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> k(row);
@@ -147,16 +149,11 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   check_slots(k_cache, v_cache, slot_mapping);
   at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  if (dtype == at::kBFloat16) {
-    using B = c10::BFloat16;
-    rope_rows(qkv.const_data_ptr<B>(), cos.const_data_ptr<B>(), sin.const_data_ptr<B>(), q.mutable_data_ptr<B>(),
-              k_cache.mutable_data_ptr<B>(), v_cache.mutable_data_ptr<B>(), slots, tokens, heads, kv_heads, dim);
-  } else {
-    TORCH_CHECK(dtype == at::kFloat, "rope_store: float32 or bfloat16, got ", dtype);
-    rope_rows(qkv.const_data_ptr<float>(), cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
-              q.mutable_data_ptr<float>(), k_cache.mutable_data_ptr<float>(), v_cache.mutable_data_ptr<float>(), slots,
-              tokens, heads, kv_heads, dim);
-  }
+  by_dtype(dtype, "rope_store", [&](auto type) {
+    using T = decltype(type);
+    rope_rows(qkv.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(), q.mutable_data_ptr<T>(),
+              k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(), slots, tokens, heads, kv_heads, dim);
+  });
   return q;
 }
 
