@@ -70,17 +70,17 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
 
 
 class FusedBlock:
-    """Block.forward's bits for a Llama layer on cpu_matmul, in half its ops and with its modules looked up once (an op
-    costs a few us of Python and dispatch, a submodule lookup about one, and a one-stream step runs 30 layers of them
-    beside the weights): RoPE and the K/V store are one op (rows.cpp's rope_store), the residual add rides on the o
-    matmul, and the MLP with its norm and residual is one op (rows.cpp's mlp); in a step of generated tokens alone
-    (every decode step) so is the attention half (rows.cpp's attend). An 8-bit cache takes Block.forward."""
+    """Block.forward's bits for a Llama layer on cpu_matmul, in fewer ops and with its modules looked up once (at one
+    stream a step is mostly per-op Python and dispatch beside the weights: BENCHMARKS.md, "A layer in two ops"):
+    RoPE and the K/V store are one op (rows.cpp's rope_store), the residual add rides on the o matmul, and the MLP
+    with its norm and residual is one op (rows.cpp's mlp); in a step of generated tokens alone (every decode step)
+    so is the attention half (rows.cpp's attend). An 8-bit cache takes Block.forward."""
 
     def __init__(self, block: Block):
         self.block, self.heads, self.scale, self.window = block, block.heads, block.scale, block.window
         self.attn_norm, self.qkv, self.o = block.attn_norm.forward, block.qkv.forward, block.o.forward
         self.rope_store = torch.ops.laneserve_cpu.rope_store.default
-        # rows.cpp's ops with the layer's arguments bound (positional: a keyword costs a quarter of a us a call)
+        # rows.cpp's ops with the layer's arguments bound, positionally (keywords are parsed by name every call)
         qkv, o, norm = block.qkv, block.o, block.attn_norm
         self.attend = partial(torch.ops.laneserve_cpu.attend.default, norm.weight, norm.eps, qkv.packed, qkv.kind,
                               qkv.n, block.heads, block.scale, block.window, o.packed, o.kind, o.n, qkv.isa)
@@ -221,7 +221,7 @@ class BucketedAttention:
         """dtype: the query's, which the keys and values are computed in. Returns the token and group calls."""
         ctx, decodes = meta.host_context_lens, meta.max_query_len == 1
         if self.kernel and decodes and all(c > p for c, p in zip(ctx, meta.prompt_lens)):  # every row generated
-            rows = torch.arange(len(ctx))  # the general plan's, for this case, in a few ops less (0.3 ms a step)
+            rows = torch.arange(len(ctx))  # the general plan's, for this case, in fewer ops
             return [(meta.block_tables.cpu().long(), rows, rows, torch.tensor(ctx) - 1)], []
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         key_bytes = kv_heads * k_cache.shape[3] * dtype.itemsize

@@ -159,8 +159,8 @@ class Linear(nn.Module):
         w = weight.detach()
         packed = (pack_int4(*int4_groups(w, 32)) if quant == "int4" else pack_int8(*int8_groups(w, 32))
                   if quant == "int8" else pack(w))
-        # A plain attribute, not a buffer, and no hooks (__call__ is forward): nn.Module's lookups cost a few us a
-        # call, and a one-stream step makes 121 of these calls.
+        # A plain attribute, not a buffer, and no hooks (__call__ is forward): a one-stream step makes 121 of these
+        # calls, and nn.Module's lookups would weigh on each.
         self.packed, self.op = packed, torch.ops.laneserve_cpu.linear.default
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@
 //   where the Python form takes six, and BucketedAttention's Python).
 // - mlp: a Llama layer's MLP with its norm and residual, x + down(silu(gate) * up) of gate_up(rms_norm(x)): the ops
 //   cpu.FusedBlock would call (rms_norm, the kernel's linear, ATen's silu and mul), called from here: the same bits
-//   in one op where the Python form takes seven (each a few us of Python and dispatch).
+//   in one op where the Python form takes seven.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -160,9 +160,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 using LinearOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
                             const std::optional<at::Tensor>&);
 
-// The layer's arguments first (bound once in Python: keyword arguments cost a quarter of a us each), then the
-// step's. norm [hidden]; qkv and o: cpu_matmul.Linear's packed weights, kinds and widths; x [tokens, hidden]; cos to
-// slot_mapping: rope_store's; heads, scale, window and block_tables to positions: token_attention's.
+// The layer's arguments first (bound once in Python, passed by position), then the step's. norm [hidden]; qkv and
+// o: cpu_matmul.Linear's packed weights, kinds and widths; x [tokens, hidden]; cos to slot_mapping: rope_store's;
+// heads, scale, window and block_tables to positions: token_attention's.
 at::Tensor attend(const at::Tensor& norm, double eps, const at::Tensor& qkv, int64_t qkv_kind, int64_t qkv_n,
                   int64_t heads, double scale, int64_t window, const at::Tensor& o, int64_t o_kind, int64_t o_n,
                   int64_t isa, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
