@@ -51,7 +51,7 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
 
     isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None  # the kernels take float32 and bfloat16
     model.attention = BucketedAttention(kernel=isa is not None and model.config.head_dim % 8 == 0)
-    model.store_kv = store_kv_by_kernel if isa else store_finite_kv
+    model.store_kv = store_finite_kv
     _replace(model, nn.RMSNorm, cpu_matmul.RMSNorm if isa else FusedRMSNorm)
 
     def tiled(linear: nn.Linear) -> nn.Module:
@@ -73,14 +73,14 @@ class FusedBlock:
     """Block.forward's bits for a Llama layer on cpu_matmul, in fewer ops and with its modules looked up once (at one
     stream a step is mostly per-op Python and dispatch beside the weights: BENCHMARKS.md, "A layer in two ops"):
     RoPE and the K/V store are one op (rows.cpp's rope_store), the residual add rides on the o matmul, and the MLP
-    with its norm and residual is one op (rows.cpp's mlp); in a step of generated tokens alone (every decode step)
-    so is the attention half (rows.cpp's attend). An 8-bit cache takes Block.forward."""
+    with its norm and residual is one op (layer.cpp's mlp); in a step of generated tokens alone (every decode step)
+    so is the attention half (layer.cpp's attend). An 8-bit cache takes Block.forward."""
 
     def __init__(self, block: Block):
         self.block, self.heads, self.scale, self.window = block, block.heads, block.scale, block.window
         self.attn_norm, self.qkv, self.o = block.attn_norm.forward, block.qkv.forward, block.o.forward
         self.rope_store = torch.ops.laneserve_cpu.rope_store.default
-        # rows.cpp's ops with the layer's arguments bound, positionally (keywords are parsed by name every call)
+        # layer.cpp's ops with the layer's arguments bound, positionally (keywords are parsed by name every call)
         qkv, o, norm = block.qkv, block.o, block.attn_norm
         self.attend = partial(torch.ops.laneserve_cpu.attend.default, norm.weight, norm.eps, qkv.packed, qkv.kind,
                               qkv.n, block.heads, block.scale, block.window, o.packed, o.kind, o.n, qkv.isa)
@@ -369,13 +369,3 @@ def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     (an RMSNorm, then a projection); a sequence that went NaN or inf must not reach the next owner of its blocks."""
     finite = (x.nan_to_num(0.0, 0.0, 0.0) for x in (key, value))
     attention_cuda.store_kv(*finite, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def store_kv_by_kernel(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None) -> None:
-    """store_finite_kv's bytes by cpu_matmul's store_kv, one op (rows.cpp); an 8-bit cache's quantizing store stays
-    store_finite_kv's."""
-    if k_scale is not None:
-        return store_finite_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    torch.ops.laneserve_cpu.store_kv(key, value, k_cache, v_cache, slot_mapping)

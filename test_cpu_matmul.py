@@ -155,25 +155,6 @@ def test_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_store_kv_writes_the_torch_forms_bytes(dtype):
-    # Keys and values as the model slices them from one row per token (q: 3 heads, k: 2, v: 2), non-finite values
-    # among them, slots -1 (skipped) among theirs.
-    g = torch.Generator().manual_seed(4)
-    qkv = torch.randn(9, 7, 64, generator=g).to(dtype)
-    qkv[2, 3, 5], qkv[4, 5, 0], qkv[6, 4, 1] = float("nan"), float("inf"), float("-inf")
-    key, value, slots = qkv[:, 3:5], qkv[:, 5:], torch.tensor([0, 5, 9, 17, 3, 30, 31, 8, -1])
-    base = torch.randn(4, 8, 2, 64, generator=g).to(dtype)
-    torch_form, kernel = [base.clone(), base.clone()], [base.clone(), base.clone()]
-    cpu.store_finite_kv(key, value, *torch_form, slots)
-    torch.ops.laneserve_cpu.store_kv(key, value, *kernel, slots)
-    for a, b in zip(torch_form, kernel):
-        assert torch.equal(a, b) and a.isfinite().all()
-    assert not torch.equal(kernel[0], base)
-    with pytest.raises(RuntimeError, match="past the cache"):
-        torch.ops.laneserve_cpu.store_kv(key, value, *kernel, slots + 32)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rope_store_is_the_torch_forms_rope_and_store(dtype):
     # model.apply_rope on the Q and K heads, then cpu.store_finite_kv, bit for bit: one row per token (q: 3 heads,
     # k: 2, v: 2), non-finite values and slots -1 among them; a token's row the same alone and beside others.

@@ -3,8 +3,9 @@ cpu.BucketedAttention calls) and the matmul, y = x Wᵀ by matmul.cpp, each row'
 the batch holds and however many threads run it, so that cpu.py needs no row tiles where it is used: one row is a
 matrix-vector product streaming the weights once. float32 and bfloat16 weights, the int4 groups of
 --quantization int4 (GGUF's Q4_1: w = q * scale + min), and int8 groups for its LM head (GGUF's Q8_0:
-w = q * scale). Built with torch.utils.cpp_extension on first use, as
-attention_cuda is; where it does not build, or the CPU has none of its instruction sets, isa() is None and cpu.py
+w = q * scale). Beside them the row-wise ops (rows.cpp: rms_norm, rope_store) and a Llama layer's decode halves
+composed from all these in C++ (layer.cpp: attend, mlp; cpu.FusedBlock calls them). Built with
+torch.utils.cpp_extension on first use, as attention_cuda is; where it does not build, or the CPU has none of its instruction sets, isa() is None and cpu.py
 keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2, avx512 or avx512_bf16; unset, the best
 this CPU has."""
 from __future__ import annotations
@@ -41,7 +42,8 @@ def _load() -> bool:
                 fcntl.flock(ours, fcntl.LOCK_EX)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(build, "lock"))
-                load(name, [os.path.join(here, f) for f in ("matmul.cpp", "attention.cpp", "rows.cpp")],
+                sources = ("matmul.cpp", "attention.cpp", "rows.cpp", "layer.cpp")
+                load(name, [os.path.join(here, f) for f in sources],
                      extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                      is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
             _built = True

@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -42,14 +41,9 @@ struct Args {
 #pragma GCC push_options
 #pragma GCC target("avx2")  // used only where cpu_matmul.isa() vouches for AVX2 at least
 typedef float v8 __attribute__((vector_size(32)));
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return __builtin_bit_cast(float, uint32_t(x.x) << 16); }  // vectorizes
-inline float to_float(int8_t x) { return static_cast<float>(x); }
-inline float to_float(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
-inline float to_float(c10::Float8_e5m2 x) { return static_cast<float>(x); }
-
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  // 8 floats anywhere in a buffer
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 
 // x rounded to T's precision (bfloat16: to nearest even, a NaN kept one), branch-free so that loops vectorize.
 template <typename T>
@@ -83,17 +77,11 @@ inline v8 exp8(v8 x) {
 // 8 elements of a cached vector as T's values in float32 (an 8-bit code times the token's scale, in T).
 template <typename T, typename C>
 inline v8 load8(const C* x, float scale) {
+  if constexpr (std::is_same_v<C, float>) return *(const v8u*)x;
+  if constexpr (std::is_same_v<C, c10::BFloat16>)  // a bfloat16 is a float32's top half
+    return (v8)(__builtin_convertvector(*(const u16x8*)x, v8i) << 16);
   v8 r;
-  if constexpr (std::is_same_v<C, c10::BFloat16>) {  // a bfloat16 is a float32's top half
-    typedef uint16_t u16x8 __attribute__((vector_size(16)));
-    u16x8 h;
-    std::memcpy(&h, x, sizeof h);
-    r = (v8)(__builtin_convertvector(h, v8i) << 16);
-  } else if constexpr (std::is_same_v<C, float>) {
-    std::memcpy(&r, x, sizeof r);
-  } else {
-    for (int l = 0; l < 8; ++l) r[l] = round_to<T>(to_float(x[l]) * scale);
-  }
+  for (int l = 0; l < 8; ++l) r[l] = round_to<T>(static_cast<float>(x[l]) * scale);
   return r;
 }
 
@@ -119,44 +107,29 @@ void run(const Args& a) {
         for (int64_t h = 0; h < kvs; ++h) {
           const int64_t at = slot * a.kv_heads + kv0 + h;  // its vector's offset in the cache / dim, its scale's
           for (int d = 0; d < dim; d += 8) {
-            const v8 kj = load8<T>(k_cache + at * dim + d, a.k_scales ? a.k_scales[at] : 1.0f);
-            const v8 vj = load8<T>(v_cache + at * dim + d, a.v_scales ? a.v_scales[at] : 1.0f);
-            std::memcpy(&k[(j * kvs + h) * dim + d], &kj, sizeof kj);
-            std::memcpy(&v[(j * kvs + h) * dim + d], &vj, sizeof vj);
+            *(v8u*)&k[(j * kvs + h) * dim + d] = load8<T>(k_cache + at * dim + d, a.k_scales ? a.k_scales[at] : 1.f);
+            *(v8u*)&v[(j * kvs + h) * dim + d] = load8<T>(v_cache + at * dim + d, a.v_scales ? a.v_scales[at] : 1.f);
           }
         }
       }
       for (int64_t head = head0; head < head1; ++head) {
         const int64_t first = (a.rows[i] * a.heads + head) * dim, h = head / group - kv0;  // offset in query and out
-        for (int d = 0; d < dim; ++d) q[d] = round_to<T>(to_float(q_all[first + d]) * a.scale);
+        for (int d = 0; d < dim; ++d) q[d] = round_to<T>(static_cast<float>(q_all[first + d]) * a.scale);
         for (int64_t j = 0; j < len; ++j) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
           v8 acc = {};
-          for (int d = 0; d < dim; d += 8) {
-            v8 x, y;
-            std::memcpy(&x, &q[d], sizeof x);
-            std::memcpy(&y, &k[(j * kvs + h) * dim + d], sizeof y);
-            acc += x * y;
-          }
+          for (int d = 0; d < dim; d += 8) acc += *(const v8u*)&q[d] * *(const v8u*)&k[(j * kvs + h) * dim + d];
           p[j] = round_to<T>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
         }
         const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
-        for (int64_t j = 0; j < len; j += 8) {  // the last chunk reads past len (p has 8 floats spare)
-          v8 x;
-          std::memcpy(&x, &p[j], sizeof x);
-          x = exp8(x - m);
-          std::memcpy(&p[j], &x, std::min<int64_t>(8, len - j) * sizeof(float));
-        }
+        for (int64_t j = 0; j < len; j += 8)  // the last chunk runs past len, into p's 8 spare floats
+          *(v8u*)&p[j] = exp8(*(const v8u*)&p[j] - m);
         float sum = 0;
         for (int64_t j = 0; j < len; ++j) sum += p[j];
         for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
         T* o = o_all + first;
         for (int d = 0; d < dim; d += 8) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
           v8 acc = {};
-          for (int64_t j = 0; j < len; ++j) {
-            v8 x;
-            std::memcpy(&x, &v[(j * kvs + h) * dim + d], sizeof x);
-            acc += p[j] * x;
-          }
+          for (int64_t j = 0; j < len; ++j) acc += p[j] * *(const v8u*)&v[(j * kvs + h) * dim + d];
           for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
         }
       }

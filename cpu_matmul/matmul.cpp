@@ -191,14 +191,6 @@ bool supported(int64_t isa) {
   }
 }
 
-// y = x + y, elementwise in float32, rounded to T once: torch's add of two tensors in T.
-template <typename T>
-void add_residual(const T* x, T* y, int64_t size) {
-  at::parallel_for(0, size, 32768, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) y[i] = T(float(x[i]) + float(y[i]));
-  });
-}
-
 // x [M, K] (float32, or bfloat16 for bfloat16 weights; int4 takes either) by the packed weight: [M, n] in x's dtype,
 // plus residual ([M, n] in that dtype) if given: the layer's output added to the stream it feeds, in the same op.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t n, int64_t isa,
@@ -217,27 +209,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
   TORCH_CHECK(kind >= INT4 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
                            : x.scalar_type() == (kind == F32 ? at::kFloat : at::kBFloat16),
               "linear: x's dtype ", x.scalar_type(), " does not fit the weight's");
-  TORCH_CHECK(!residual || (residual->sizes() == at::IntArrayRef{M, n} && residual->is_contiguous() &&
-                            residual->scalar_type() == x.scalar_type() && residual->device().is_cpu()),
-              "linear: the residual must be a contiguous [M, n] CPU tensor in x's dtype");
+  TORCH_CHECK(!residual || (residual->sizes() == at::IntArrayRef{M, n} && residual->scalar_type() == x.scalar_type()),
+              "linear: the residual must be [M, n] in x's dtype");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto run = [&](auto* out) {
-    const void* w = packed.data_ptr();
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
     switch (isa) {
-      case AVX2: return avx2::linear(kind, x.data_ptr(), bf16, w, out, M, K, n);
-      case AVX512: return avx512::linear(kind, x.data_ptr(), bf16, w, out, M, K, n);
-      default: return avx512bf16::linear(kind, x.data_ptr(), bf16, w, out, M, K, n);
+      case AVX2: return avx2::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
+      case AVX512: return avx512::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
+      default: return avx512bf16::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
     }
   };
-  if (y.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-    if (residual) add_residual(residual->const_data_ptr<float>(), y.data_ptr<float>(), M * n);
-  } else {
-    run(reinterpret_cast<c10::BFloat16*>(y.data_ptr()));
-    if (residual) add_residual(residual->const_data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), M * n);
-  }
+  bf16 ? run(reinterpret_cast<c10::BFloat16*>(y.data_ptr())) : run(y.data_ptr<float>());
+  if (residual) y.add_(*residual);  // in float32, rounded to x's dtype once: torch's add, as the Python form's
   return y;
 }
 
@@ -252,12 +237,16 @@ TORCH_LIBRARY(laneserve_cpu, m) {
 
 #else  // kernels: begin (included per ISA, after Vec, Pair, Ints and their operations, ROWS, COLS, COLS_INT4)
 
-// The first `cols` of an accumulator into y, rounded to Out (float32, or bfloat16 to nearest even).
-template <typename Out>
-inline void put(Out* y, int64_t cols, Vec v) {
-  float t[16];
-  store(t, v);
-  for (int64_t j = 0; j < cols; ++j) y[j] = Out(t[j]);
+// A tile's accumulators into y (its first row's; columns past n dropped), rounded to Out (float32, or bfloat16 to
+// nearest even).
+template <int R, int C, typename Out>
+inline void put(Vec (&acc)[R][C], Out* y, int64_t n, int64_t col) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float t[16];
+      store(t, acc[r][c]);
+      for (int64_t j = 0; j < std::min<int64_t>(16, n - (col + c) * 16); ++j) y[r * n + (col + c) * 16 + j] = Out(t[j]);
+    }
 }
 
 // A quantized group's cache lines, PREFETCH bytes on: the stream runs ahead of the loads (a prefetch never faults).
@@ -265,41 +254,25 @@ inline void prefetch(const uint8_t* group, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)group + PREFETCH + line, _MM_HINT_T0);
 }
 
-// R rows by C column blocks from column block `col` (w: its packed data); x and y: the first row's.
-template <int R, int C, typename Out>
-void f32_tile(const float* x, const float* w, Out* y, int64_t K, int64_t n, int64_t col) {
-  Vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = zero();
-  for (int64_t k = 0; k < K; ++k) {
-    Vec wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load(w + (c * K + k) * 16);
-    for (int r = 0; r < R; ++r) {
-      Vec xv = bcast(x[r * K + k]);
-      for (int c = 0; c < C; ++c) acc[r][c] = fma(xv, wv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
-}
+// A weight's step: float32, one k (x[m, k] broadcast); bfloat16, one k pair (x's pair as 32 bits). Either reads
+// 64 bytes of a column block's stream.
+inline Vec load_w(const float* w) { return load(w); }
+inline Pair load_w(const uint16_t* w) { return load_pair(w); }
+inline Vec dot2(Vec w, float x, Vec acc) { return fma(bcast(x), w, acc); }
 
-template <int R, int C, typename Out>
-void bf16_tile(const uint16_t* x, const uint16_t* w, Out* y, int64_t K, int64_t n, int64_t col) {
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);  // k pairs
-  const int64_t K2 = K / 2;
+// R rows by C column blocks from column block `col` (w: its packed data); x and y: the first row's.
+template <int R, int C, typename X, typename W, typename Out>
+void tile(const X* x, const W* w, Out* y, int64_t steps, int64_t n, int64_t col) {
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero();
-  for (int64_t p = 0; p < K2; ++p) {
-    Pair wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load_pair(w + (c * K2 + p) * 32);
-    for (int r = 0; r < R; ++r) {
-      uint32_t xv = xp[r * K2 + p];
-      for (int c = 0; c < C; ++c) acc[r][c] = dot2(wv[c], xv, acc[r][c]);
-    }
+  for (int64_t p = 0; p < steps; ++p) {
+    decltype(load_w(w)) wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load_w(w + (c * steps + p) * (64 / sizeof(W)));
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = dot2(wv[c], x[r * steps + p], acc[r][c]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
+  put(acc, y, n, col);
 }
 
 // The quantized kinds (EIGHT: int8, else int4). xq: the rows' int16 codes [M, K]; dx, xsum, xqsum: per group
@@ -359,8 +332,7 @@ void quant_tile(const int16_t* xq, const float* dx, const float* xsum, const int
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) put(y + r * n + (col + c) * 16, std::min<int64_t>(16, n - (col + c) * 16), acc[r][c]);
+  put(acc, y, n, col);
 }
 
 // The whole product: threads over groups of C column blocks; in each, all rows, ROWS at a time.
@@ -397,11 +369,11 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
         with_rows<ROWS>(std::min<int64_t>(ROWS, M - m), [&](auto R) {
           const int64_t col = cg * C;
           if (kind == F32)
-            f32_tile<R.value, COLS>(static_cast<const float*>(x) + m * K, static_cast<const float*>(w) + col * K * 16,
-                                    y + m * n, K, n, col);
-          else if (kind == BF16)
-            bf16_tile<R.value, COLS>(static_cast<const uint16_t*>(x) + m * K,
-                                     static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K, n, col);
+            tile<R.value, COLS>(static_cast<const float*>(x) + m * K, static_cast<const float*>(w) + col * K * 16,
+                                y + m * n, K, n, col);
+          else if (kind == BF16)  // x's k pairs as 32 bits
+            tile<R.value, COLS>(static_cast<const uint32_t*>(x) + m * K / 2,
+                                static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K / 2, n, col);
           else
             (kind == INT4 ? quant_tile<R.value, COLS_INT4, false, Out> : quant_tile<R.value, COLS_INT4, true, Out>)(
                 xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,

@@ -3,24 +3,13 @@
 //   dimension, rounded where Hugging Face's RMSNorm rounds (to the input's dtype T after the normalization, then
 //   after the weight); the sum of squares runs over the row in index order in float32 (built with
 //   -ffp-contract=off). One op where the torch form (cpu.FusedRMSNorm, the fallback) takes five.
-// - store_kv: new tokens' K and V rows into their cache slots (slot -1 skipped), non-finite values stored as 0:
-//   cpu.store_finite_kv's two nan_to_num and two index_copy_ (and the slot check) in one op, the same bytes.
 // - rope_store: a step's fused QKV rows [tokens, (heads + 2 kv_heads) * dim] rotated and stored: model.apply_rope on
 //   the Q and K heads, rounded where its torch ops round (q' = T(fma(roll(x), sin, T(x * cos))), sin's first half
-//   negated), then store_kv's store of the K and V heads; returns the rotated Q heads [tokens, heads, dim]. One op
-//   where cpu.FusedBlock's torch form takes eight.
-// - attend: a Llama layer's attention half for a step of generated tokens, x + o(attention(rope_store(qkv(
-//   rms_norm(x))))), attention by token_attention: the ops cpu.FusedBlock would call, called from here (one op
-//   where the Python form takes six, and BucketedAttention's Python).
-// - mlp: a Llama layer's MLP with its norm and residual, x + down(silu(gate) * up) of gate_up(rms_norm(x)): the ops
-//   cpu.FusedBlock would call (rms_norm, the kernel's linear, ATen's silu and mul), called from here: the same bits
-//   in one op where the Python form takes seven.
+//   negated), then cpu.store_finite_kv's store of the K and V heads (slot -1 skipped, non-finite values stored
+//   as 0); returns the rotated Q heads [tokens, heads, dim]. One op where cpu.FusedBlock's torch form takes eight.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/silu.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -70,44 +59,6 @@ inline void put_row(const T* src, T* dst, int64_t row) {
   for (int64_t i = 0; i < row; ++i) dst[i] = std::isfinite(float(src[i])) ? src[i] : T(0);
 }
 
-template <typename T>
-void store_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots, int64_t row) {
-  const T* src = static_cast<const T*>(x.const_data_ptr());
-  T* dst = static_cast<T*>(cache.mutable_data_ptr());
-  const int64_t tokens = x.size(0), stride = x.stride(0);
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (slots[t] >= 0) put_row(src + t * stride, dst + slots[t] * row, row);
-  }
-}
-
-void check_slots(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
-              "store_kv: contiguous caches of one shape, int64 slots");
-  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
-    TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " past the cache's ", num_slots);
-}
-
-// key, value [tokens, kv_heads, dim] (a token's heads contiguous); caches [blocks, block_size, kv_heads, dim] in
-// their dtype; slot_mapping [tokens] int64.
-void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_mapping) {
-  const int64_t row = k_cache.size(2) * k_cache.size(3);
-  for (const at::Tensor* t : {&key, &value})
-    TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->size(1) * t->size(2) == row && t->stride(2) == 1 &&
-                    t->stride(1) == t->size(2) && t->scalar_type() == k_cache.scalar_type() &&
-                    t->size(0) == slot_mapping.numel(),
-                "store_kv: key and value [tokens, kv_heads, dim] rows in the cache's dtype, one slot each");
-  check_slots(k_cache, v_cache, slot_mapping);
-  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  by_dtype(k_cache.scalar_type(), "store_kv", [&](auto type) {
-    store_rows<decltype(type)>(key, k_cache, slots, row);
-    store_rows<decltype(type)>(value, v_cache, slots, row);
-  });
-}
-
 // Element i of a head takes x[i] * cos[i] + x[(i + dim / 2) % dim] * sin[i] (torch.roll by dim / 2), the second
 // product and the sum fused as torch's addcmul fuses them in float32 (a product of two bfloat16 values is exact in
 // float32: there fused or not is the same). FMA: used only where cpu_matmul.isa() vouches for AVX2 and FMA.
@@ -146,9 +97,13 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim && cos.numel() == tokens * dim &&
                   sin.numel() == tokens * dim && slot_mapping.numel() == tokens && dim % 2 == 0,
               "rope_store: qkv [tokens, (heads + 2 kv_heads) * dim], cos and sin a row of dim per token");
-  check_slots(k_cache, v_cache, slot_mapping);
-  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
+              "rope_store: contiguous caches of one shape, int64 slots");
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] < k_cache.size(0) * k_cache.size(1), "rope_store: slot ", slots[t], " past the cache");
+  at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
   by_dtype(dtype, "rope_store", [&](auto type) {
     using T = decltype(type);
     rope_rows(qkv.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(), q.mutable_data_ptr<T>(),
@@ -157,55 +112,12 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-using LinearOp = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
-                            const std::optional<at::Tensor>&);
-
-// The layer's arguments first (bound once in Python, passed by position), then the step's. norm [hidden]; qkv and
-// o: cpu_matmul.Linear's packed weights, kinds and widths; x [tokens, hidden]; cos to slot_mapping: rope_store's;
-// heads, scale, window and block_tables to positions: token_attention's.
-at::Tensor attend(const at::Tensor& norm, double eps, const at::Tensor& qkv, int64_t qkv_kind, int64_t qkv_n,
-                  int64_t heads, double scale, int64_t window, const at::Tensor& o, int64_t o_kind, int64_t o_n,
-                  int64_t isa, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                  at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                  const at::Tensor& rows, const at::Tensor& seqs, const at::Tensor& positions) {
-  static auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::linear", "").typed<LinearOp>();
-  static auto attention = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::token_attention", "").typed<
-      void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-           const at::Tensor&, const at::Tensor&, double, int64_t, const std::optional<at::Tensor>&,
-           const std::optional<at::Tensor>&, at::Tensor)>();
-  const at::Tensor q = rope_store(linear.call(rms_norm(x, norm, eps), qkv, qkv_kind, qkv_n, isa, std::nullopt), cos,
-                                  sin, k_cache, v_cache, slot_mapping, heads);
-  at::Tensor out = at::empty_like(q);
-  attention.call(q, k_cache, v_cache, block_tables, rows, seqs, positions, scale, window, std::nullopt, std::nullopt,
-                 out);
-  return linear.call(out.view({x.size(0), -1}), o, o_kind, o_n, isa, x);
-}
-
-// norm [hidden]; gate_up and down: cpu_matmul.Linear's packed weights, kinds and widths; x [tokens, hidden].
-at::Tensor mlp(const at::Tensor& norm, double eps, const at::Tensor& gate_up, int64_t gate_up_kind, int64_t gate_up_n,
-               const at::Tensor& down, int64_t down_kind, int64_t down_n, int64_t isa, const at::Tensor& x) {
-  static auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("laneserve_cpu::linear", "").typed<LinearOp>();
-  const at::Tensor both = linear.call(rms_norm(x, norm, eps), gate_up, gate_up_kind, gate_up_n, isa, std::nullopt);
-  const auto halves = both.view({x.size(0), 2, -1}).unbind(1);
-  return linear.call(at::mul(at::silu(halves[0]), halves[1]), down, down_kind, down_n, isa, x);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(laneserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, rms_norm);
-  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.impl("store_kv", c10::DispatchKey::CPU, store_kv);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int heads) -> Tensor");
   m.impl("rope_store", c10::DispatchKey::CPU, rope_store);
-  m.def("attend(Tensor norm, float eps, Tensor qkv, int qkv_kind, int qkv_n, int heads, float scale, int window, "
-        "Tensor o, int o_kind, int o_n, int isa, Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor rows, Tensor seqs, Tensor positions) "
-        "-> Tensor");
-  m.impl("attend", c10::DispatchKey::CPU, attend);
-  m.def("mlp(Tensor norm, float eps, Tensor gate_up, int gate_up_kind, int gate_up_n, Tensor down, int down_kind, "
-        "int down_n, int isa, Tensor x) -> Tensor");
-  m.impl("mlp", c10::DispatchKey::CPU, mlp);
 }
