@@ -21,7 +21,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -45,17 +44,9 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  // 8 floats anywhere in a buffer
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 
-// x rounded to T's precision (bfloat16: to nearest even, a NaN kept one), branch-free so that loops vectorize.
+// x rounded to T's precision (bfloat16: to nearest even, a NaN kept one, by c10's conversion).
 template <typename T>
-inline float round_to(float x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    uint32_t u = __builtin_bit_cast(uint32_t, x);
-    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    return __builtin_bit_cast(float, x != x ? 0x7FC00000u : r);
-  }
-}
+inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
 // e^x for x <= 0, 8 at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); elementwise,
 // so a value's result does not depend on its lane. Below -87 (e^x < 2^-125) gives e^-87.
@@ -157,12 +148,12 @@ void token_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                      const at::Tensor& positions, double scale, int64_t window,
                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                      at::Tensor out) {
-  const at::Tensor& written = out;
-  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &rows, &seqs, &positions, &written})
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &rows, &seqs, &positions})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "token_attention: contiguous CPU tensors");
   for (const at::Tensor* t : {&block_tables, &rows, &seqs, &positions})
     TORCH_CHECK(t->scalar_type() == at::kLong, "token_attention: int64 indices");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "token_attention: out");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.is_contiguous(),
+              "token_attention: out like query");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(2) == k_cache.size(3) && query.size(2) % 8 == 0,
               "token_attention: shapes (heads a multiple of KV heads, dim a multiple of 8)");
   const bool codes = k_cache.element_size() == 1;

@@ -38,7 +38,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -55,9 +54,8 @@ constexpr int64_t PREFETCH = 2048;  // bytes ahead in a column block's stream (p
 // Calls f(std::integral_constant<int, r>) for 1 <= r <= R: a tile's row count as a compile-time constant.
 template <int R, typename F>
 inline void with_rows(int r, F&& f) {
-  if constexpr (R > 1) {
+  if constexpr (R > 1)
     if (r < R) return with_rows<R - 1>(r, f);
-  }
   f(std::integral_constant<int, R>{});
 }
 
@@ -79,9 +77,8 @@ inline Pair load_pair(const uint16_t* p) {
   __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 16));
   return {{even(a), even(b)}, {odd(a), odd(b)}};
 }
-inline Vec dot2(Pair w, uint32_t x, Vec acc) {
-  float x0 = _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(x << 16)));
-  float x1 = _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(x & 0xffff0000u)));
+inline Vec dot2(Pair w, uint32_t x, Vec acc) {  // x's k pair split likewise, k even first
+  const float x0 = __builtin_bit_cast(float, x << 16), x1 = __builtin_bit_cast(float, x & 0xffff0000u);
   return fma(bcast(x1), w.odd, fma(bcast(x0), w.even, acc));
 }
 // int4: 16 int32 sums (one per column). 64 bytes of codes (16 columns x 4 bytes) as 4 vectors of word pairs:
@@ -136,9 +133,8 @@ inline Pair load_pair(const uint16_t* p) {
           {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)))}};
 }
 inline Vec dot2(Pair w, uint32_t x, Vec acc) {
-  Vec x0{_mm512_castsi512_ps(_mm512_set1_epi32(x << 16))};
-  Vec x1{_mm512_castsi512_ps(_mm512_set1_epi32(x & 0xffff0000u))};
-  return fma(x1, w.odd, fma(x0, w.even, acc));
+  const float x0 = __builtin_bit_cast(float, x << 16), x1 = __builtin_bit_cast(float, x & 0xffff0000u);
+  return fma(bcast(x1), w.odd, fma(bcast(x0), w.even, acc));
 }
 using Ints = ZmmInts;
 inline Ints izero() { return {_mm512_setzero_si512()}; }
@@ -182,8 +178,7 @@ bool supported(int64_t isa) {
   __builtin_cpu_init();
   switch (isa) {
     case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case AVX512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    case AVX512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     case AVX512BF16:
       return supported(AVX512) && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
@@ -195,9 +190,8 @@ bool supported(int64_t isa) {
 // plus residual ([M, n] in that dtype) if given: the layer's output added to the stream it feeds, in the same op.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t n, int64_t isa,
                   const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
-              "linear: x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(packed.is_contiguous() && packed.device().is_cpu(), "linear: packed weight must be contiguous, on CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && packed.is_contiguous() && packed.is_cpu(),
+              "linear: x must be a contiguous 2-D CPU tensor, the packed weight contiguous on the CPU");
   TORCH_CHECK(supported(isa), "linear: instruction set ", isa, " is not supported by this CPU");
   const int64_t M = x.size(0), K = x.size(1), N64 = (n + 63) / 64 * 64;
   const int64_t want = kind == F32 ? N64 * K * 4 : kind == BF16 ? N64 * K * 2
@@ -275,10 +269,11 @@ void tile(const X* x, const W* w, Out* y, int64_t steps, int64_t n, int64_t col)
   put(acc, y, n, col);
 }
 
-// The quantized kinds (EIGHT: int8, else int4). xq: the rows' int16 codes [M, K]; dx, xsum, xqsum: per group
-// [M, K / 32], their scales, x's sums and 8 * xq's (the latter two for int4's zero term alone).
+// The quantized kinds (EIGHT: int8, else int4). xp: the rows' int16 codes [M, K] as 16 word pairs a group, in the
+// order the codes are read below; dx, xsum, xqsum: per group [M, K / 32], their scales, x's sums and 8 * xq's (the
+// latter two for int4's zero term alone).
 template <int R, int C, bool EIGHT, typename Out>
-void quant_tile(const int16_t* xq, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
+void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
                 int64_t K, int64_t n, int64_t col) {
   constexpr int64_t BYTES = EIGHT ? INT8_GROUP_BYTES : GROUP_BYTES;
   const int64_t G = K / 32;
@@ -298,26 +293,16 @@ void quant_tile(const int16_t* xq, const float* dx, const float* xsum, const int
       for (int j = 0; j < 16; ++j) {  // k pairs (2j, 2j + 1)
         Ints q[C];
         for (int c = 0; c < C; ++c) q[c] = widen(blk[c] + 64 + 32 * j);
-        for (int r = 0; r < R; ++r) {
-          const int16_t* xr = xq + r * K + g * 32 + 2 * j;
-          const int32_t x = (int32_t)((uint32_t)(uint16_t)xr[0] | (uint32_t)(uint16_t)xr[1] << 16);
-          for (int c = 0; c < C; ++c) s[r][c] = dot2i(s[r][c], q[c], x);
-        }
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) s[r][c] = dot2i(s[r][c], q[c], xp[(r * G + g) * 16 + j]);
       }
     } else {
       for (int p = 0; p < 4; ++p) {
         Ints q[C][4];
         for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, q[c]);
-        for (int r = 0; r < R; ++r) {
-          const int16_t* xr = xq + r * K + g * 32 + 4 * p;  // the pairs of k (4p, 4p + 2), (4p + 1, 4p + 3), +16
-          int32_t x[4];
-          for (int i = 0; i < 4; ++i) {
-            const int k = (i >> 1) * 16 + (i & 1);
-            x[i] = (int32_t)((uint32_t)(uint16_t)xr[k] | (uint32_t)(uint16_t)xr[k + 2] << 16);
-          }
+        for (int r = 0; r < R; ++r)
           for (int c = 0; c < C; ++c)
-            for (int i = 0; i < 4; ++i) s[r][c] = dot2i(s[r][c], q[c][i], x[i]);
-        }
+            for (int i = 0; i < 4; ++i) s[r][c] = dot2i(s[r][c], q[c][i], xp[(r * G + g) * 16 + 4 * p + i]);
       }
     }
     for (int c = 0; c < C; ++c) {
@@ -342,7 +327,7 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
   const bool codes = kind == INT4 || kind == INT8;
   std::vector<float> dx(codes ? M * G : 0), xsum(dx.size());
   std::vector<int32_t> xqsum(dx.size());
-  std::vector<int16_t> xq(codes ? M * K : 0);
+  std::vector<int32_t> xp(codes ? M * K / 2 : 0);
   if (codes) {  // each row's groups quantized to int16, from their own values alone
     at::parallel_for(0, M * G, 4096, [&](int64_t b, int64_t e) {  // a decode step's few groups: no threads
       for (int64_t i = b; i < e; ++i) {
@@ -354,9 +339,14 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
         for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k])), sum += v[k];
         const float inv = amax > 0 ? 32767.0f / amax : 0.0f;
         int32_t qsum = 0;
+        uint16_t q[32];
         for (int k = 0; k < 32; ++k) {
-          xq[i * 32 + k] = (int16_t)std::nearbyint(std::min(32767.0f, std::max(-32767.0f, v[k] * inv)));
-          qsum += xq[i * 32 + k];
+          q[k] = (int16_t)std::nearbyint(std::min(32767.0f, std::max(-32767.0f, v[k] * inv)));
+          qsum += (int16_t)q[k];
+        }
+        for (int j = 0; j < 16; ++j) {  // int8: the pairs (2j, 2j + 1); int4: (4p + t, 4p + t + 2), t = 0, 1, 16, 17
+          const int k = kind == INT8 ? 2 * j : j / 4 * 4 + (j & 2) * 8 + (j & 1);
+          xp[i * 16 + j] = (int32_t)(q[k] | (uint32_t)q[k + (kind == INT8 ? 1 : 2)] << 16);
         }
         dx[i] = amax / 32767.0f, xsum[i] = sum, xqsum[i] = 8 * qsum;
       }
@@ -376,7 +366,7 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
                                 static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K / 2, n, col);
           else
             (kind == INT4 ? quant_tile<R.value, COLS_INT4, false, Out> : quant_tile<R.value, COLS_INT4, true, Out>)(
-                xq.data() + m * K, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,
+                xp.data() + m * K / 2, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,
                 static_cast<const uint8_t*>(w) + col * G * (kind == INT4 ? GROUP_BYTES : INT8_GROUP_BYTES), y + m * n,
                 K, n, col);
         });

@@ -53,12 +53,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-// A K or V row (finite values, else 0) into its slot.
-template <typename T>
-inline void put_row(const T* src, T* dst, int64_t row) {
-  for (int64_t i = 0; i < row; ++i) dst[i] = std::isfinite(float(src[i])) ? src[i] : T(0);
-}
-
 // Element i of a head takes x[i] * cos[i] + x[(i + dim / 2) % dim] * sin[i] (torch.roll by dim / 2), the second
 // product and the sum fused as torch's addcmul fuses them in float32 (a product of two bfloat16 values is exact in
 // float32: there fused or not is the same). FMA: used only where cpu_matmul.isa() vouches for AVX2 and FMA.
@@ -67,6 +61,9 @@ __attribute__((target("avx2,fma"))) void rope_rows(const T* qkv, const T* cos, c
                                                    T* v_cache, const int64_t* slots, int64_t tokens, int64_t heads,
                                                    int64_t kv_heads, int64_t dim) {
   const int64_t width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
+  auto put_row = [row](const T* src, T* dst) {  // a K or V row (finite values, else 0) into its slot
+    for (int64_t i = 0; i < row; ++i) dst[i] = std::isfinite(float(src[i])) ? src[i] : T(0);
+  };
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<T> k(row);
     for (int64_t t = begin; t < end; ++t) {
@@ -78,8 +75,8 @@ __attribute__((target("avx2,fma"))) void rope_rows(const T* qkv, const T* cos, c
           out[i] = T(std::fma(float(xh[(i + dim / 2) % dim]), float(s[i]), float(T(float(xh[i]) * float(c[i])))));
       }
       if (slots[t] >= 0) {
-        put_row(k.data(), k_cache + slots[t] * row, row);
-        put_row(x + (heads + kv_heads) * dim, v_cache + slots[t] * row, row);
+        put_row(k.data(), k_cache + slots[t] * row);
+        put_row(x + (heads + kv_heads) * dim, v_cache + slots[t] * row);
       }
     }
   });
