@@ -38,14 +38,14 @@ from serve import Server
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT = "Request {i}: write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 # --workload repeat: the output repeats the input with one change, as edit, rewrite and retrieval prompts do (where
-# speculative decoding's n-gram drafts, looked up in the prompt, are accepted).
-REPEAT_PROMPT = ("Request {i}: repeat this function word for word, with the variable total renamed to acc:\n\n"
-                 "def mean_and_spread(values):\n    total = 0\n    for v in values:\n        total += v\n"
-                 "    mean = total / len(values)\n    spread = 0\n    for v in values:\n"
-                 "        spread += (v - mean) ** 2\n    return mean, (spread / len(values)) ** 0.5\n\n"
-                 "Then repeat this paragraph word for word, with Monday changed to Tuesday: The library opens at "
-                 "nine on Monday and closes at six in the evening. Members may borrow up to five books at a time, "
-                 "and books are due back within three weeks. Late returns cost ten cents a day.")
+# speculative decoding's n-gram drafts, looked up in the prompt, are accepted). Its replies end where the model ends
+# them (no ignore_eos): past its end a reply would be free text, no longer a repeat.
+REPEAT_PROMPT = ("Request {i}: Repeat this paragraph word for word, with Monday changed to Tuesday:\n\n"
+                 "The library opens at nine on Monday and closes at six in the evening. Members may borrow up to five "
+                 "books at a time, and books are due back within three weeks. Late returns cost ten cents a day. The "
+                 "reading room on the second floor is quiet and has desks with lamps. Children's books are on the "
+                 "ground floor, next to the stairs. The library is closed on public holidays, and on the first Sunday "
+                 "of every month.")
 # vLLM's benchmark_serving table: its metric names, section titles and statistics ("Median" is p50 in the JSON).
 METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
@@ -106,8 +106,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a("--offline", action="store_true", help="offline throughput through LLM.generate's step loop, no HTTP")
     a("--concurrency", type=pos, nargs="+", default=[1, 4, 16, 64], help="client counts to sweep")
     a("--workload", choices=["chat", "repeat"], default="chat", help="the sweep's prompt: chat (write a story) or "
-      "repeat (repeat a function and a paragraph with one change: where speculative decoding pays)")
-    a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos)")
+      "repeat (repeat a paragraph with one change, replies ending where the model ends them: where speculative "
+      "decoding pays)")
+    a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos; "
+      "--workload repeat: at most)")
     a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
     a("--warmup", type=count, default=2, help="unmeasured requests before measuring")
     a("--temperature", type=_number(float, zero_ok=True, most=2), default=0.0,  # the API's range: more gets HTTP 400
@@ -215,6 +217,7 @@ class Request:
     """One streamed request as the client saw it; times in seconds from the start of its phase."""
     group: str                    # "warmup", "sweep", "short" or "long"
     max_tokens: int
+    ignore_eos: bool = True       # False: the reply may end before max_tokens (the repeat workload's)
     start: float = 0.0
     ttft: float | None = None     # to the first chunk with content
     itl: list[float] = field(default_factory=list)  # between chunks with content
@@ -324,7 +327,7 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
     usage, last = None, 0.0
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": req.max_tokens,
             "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+            "ignore_eos": req.ignore_eos}
     try:
         async with asyncio.timeout(args.request_timeout):
             async for chunk in client.events("/chat/completions", body):
@@ -352,7 +355,7 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
         raise BenchError("the server sent no usage in the stream (stream_options.include_usage); "
                          "token counts would be guesses")
     req.prompt_tokens, req.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-    if req.output_tokens != req.max_tokens:
+    if req.output_tokens != req.max_tokens and req.ignore_eos or req.output_tokens > req.max_tokens:
         raise BenchError(f"asked for {req.max_tokens} tokens with ignore_eos, but the server's usage says "
                          f"{req.output_tokens}: it does not honour ignore_eos or max_tokens, so the numbers "
                          "would not compare")
@@ -417,7 +420,7 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
         for k in range(args.requests_per_client):
             if time.perf_counter() >= until:
                 return
-            reqs.append(r := Request("sweep", args.max_tokens))
+            reqs.append(r := Request("sweep", args.max_tokens, ignore_eos=args.workload != "repeat"))
             prompt = REPEAT_PROMPT if args.workload == "repeat" else PROMPT
             await stream_one(client, model, r, prompt.format(i=c * args.requests_per_client + k), args, t0)
             bar.update()

@@ -231,6 +231,7 @@ class Stub(BaseHTTPRequestHandler):
     chunks, "nodelta" sends a choice without a delta."""
     short, delay, refuse, odd = 0, 0.0, 0, None
     counter = itertools.count(1)  # numbers the streams served
+    ignore_eos: list[bool] = []  # each completion request's, in order (one list for every stub)
     scrapes = itertools.count()
 
     def log_message(self, *args):
@@ -249,7 +250,8 @@ class Stub(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert body["stream"] and body["stream_options"]["include_usage"] and body["ignore_eos"]
+        assert body["stream"] and body["stream_options"]["include_usage"]
+        self.ignore_eos.append(body["ignore_eos"])
         if self.refuse:
             return self._json({"error": {"message": "no such luck", "type": "invalid_request_error"}}, self.refuse)
         n = body["max_tokens"] - self.short
@@ -317,8 +319,23 @@ def test_base_url_gives_the_same_table(stub, tmp_path, capsys):
 
 
 def test_token_count_disagreeing_with_the_request_fails_loudly(stub, tmp_path, capsys):
+    Stub.ignore_eos.clear()
     rc, report, out, err = run(["--base-url", stub(short=1), "--max-tokens", "5"], tmp_path, capsys)
     assert rc == 1 and "usage says 4" in err and err.count("\n") == 1
+    assert Stub.ignore_eos and all(Stub.ignore_eos)
+
+
+def test_the_repeat_workloads_replies_end_where_the_model_ends_them(stub, tmp_path, capsys):
+    # No ignore_eos for its sweep, so a reply shorter than max_tokens is no error; one longer still is.
+    Stub.ignore_eos.clear()
+    rc, report, out, err = run(["--base-url", stub(short=1), "--workload", "repeat", "--max-tokens", "5",
+                                "--concurrency", "1", "--warmup", "0"], tmp_path, capsys)
+    assert rc == 0, err
+    assert report["runs"]["remote"]["sweep"][0]["metrics"]["total_output_tokens"] == 8  # 2 requests of 4
+    assert Stub.ignore_eos == [False, False]
+    rc, report, out, err = run(["--base-url", stub(short=-1), "--workload", "repeat", "--max-tokens", "5",
+                                "--concurrency", "1", "--warmup", "0"], tmp_path, capsys)
+    assert rc == 1 and "usage says 6" in err
 
 
 def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, capsys):
