@@ -23,10 +23,19 @@ class NgramIndex:
     """Where each n-gram (prompt_lookup_min <= n <= prompt_lookup_max) of a sequence's tokens last ended,
     extended as tokens append: a step indexes only the tokens new since the last, never rescans."""
 
-    def __init__(self, lookup_min: int, lookup_max: int):
+    def __init__(self, lookup_min: int, lookup_max: int, limit: int):
         self.sizes = range(lookup_max, lookup_min - 1, -1)  # longest first
         self.ends: dict[tuple[int, ...], int] = {}  # an n-gram -> the index just past its latest occurrence
         self.indexed = 0  # n-grams ending at indices up to this one are in `ends`
+        # No row is free (BENCHMARKS.md, "Speculative decoding"), so a lane's drafts follow what it gets accepted:
+        # one more token than its last verify accepted, twice a draft accepted whole; after a draft rejected at its
+        # first token, none for 1, 2, 4, ... 16 steps, until one is accepted again.
+        self.limit, self.wait, self.backoff = limit, 0, 0
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.limit = 2 * drafted if accepted == drafted else accepted + 1
+        self.backoff = min(16, 2 * self.backoff or 1) if not accepted else 0
+        self.wait = self.backoff
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix of tokens found."""
@@ -36,6 +45,9 @@ class NgramIndex:
                 if n <= end:
                     self.ends[tuple(tokens[end - n:end])] = end
         self.indexed = max(self.indexed, last)
+        if self.wait:
+            self.wait -= 1
+            return []
         for n in self.sizes:
             if n <= len(tokens) and (end := self.ends.get(tuple(tokens[-n:]))) is not None:
                 # What followed it, continued past the end as the repeat would go on (period len(tokens) - end).
@@ -67,8 +79,8 @@ def propose(seq: Sequence, scheduler) -> list[int]:
     if k <= 0:
         return []
     if seq.ngrams is None:
-        seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-    draft, blocks = seq.ngrams.propose(seq.token_ids, k), scheduler.blocks
+        seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, k)
+    draft, blocks = seq.ngrams.propose(seq.token_ids, min(k, seq.ngrams.limit)), scheduler.blocks
     # A block for each running sequence stays free besides: drafts must not push a later decode into preempting.
     if blocks.blocks_needed(seq.block_table, seq.num_computed_tokens + 1 + len(draft)) + len(scheduler.running) \
             <= blocks.num_free_blocks:
@@ -93,6 +105,7 @@ def verify(engine, seq: Sequence, token: int, rows: torch.Tensor) -> list:
         outputs.append(engine._append_token(seq, token, logprob) if error is None else engine._fail(seq, error))
     engine.num_draft_tokens += len(draft)
     engine.scheduler.verified[seq.request_id] = (len(draft), len(outputs))
+    seq.ngrams.verified(len(draft), len(outputs))
     keep = -(-seq.num_computed_tokens // engine.config.block_size)  # empty when finished
     engine.block_manager.free(seq.block_table[keep:])
     del seq.block_table[keep:]

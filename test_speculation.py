@@ -160,10 +160,32 @@ def test_ngram_index_matches_a_rescan():
         return []
     rng = random.Random(0)
     for _ in range(20):
-        index, tokens = NgramIndex(2, 4), []
+        index, tokens = NgramIndex(2, 4, 5), []
         for _ in range(200):
             tokens += [rng.randrange(4)] * rng.choice([1, 1, 2])
             assert index.propose(tokens, 5) == rescan(tokens, 5)
+
+
+def test_a_lane_drafts_one_more_than_its_last_verify_accepted():
+    # Text that stopped repeating gets one draft a step, not the lane's whole share, and after a draft rejected at
+    # its first token none for a while; a draft accepted whole doubles the next (the step's share still bounds it).
+    index = NgramIndex(2, 4, 7)
+    assert index.limit == 7
+    index.verified(7, 2)
+    assert index.limit == 3
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    for backoff in (1, 2, 4):  # rejected at the first token: none for 1, 2, 4 steps (the index still grows)
+        index.verified(3, 0)
+        assert index.limit == 1
+        for _ in range(backoff):
+            assert index.propose(tokens, 1) == []
+        assert index.propose(tokens, 1) == [3]
+    index.verified(1, 1)
+    assert index.limit == 2
+    index.verified(2, 2)
+    assert index.limit == 4 and index.propose(tokens + [3, 4], 4) == [5, 6, 1, 2]
+    index.verified(4, 0)  # the backoff starts again from 1 after an acceptance
+    assert index.propose(tokens + [3, 4], 4) == [] and index.propose(tokens + [3, 4], 4) == [5, 6, 1, 2]
 
 
 def test_speculative_config_flag():
