@@ -2,10 +2,11 @@
 // each generated token (a decode, or a recomputed output token) attends to its own sequence's cached keys
 // 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
 //
-// - Tasks: one per token (one per query head in a step of few tokens, so that one stream's token uses every thread),
-//   split over threads by at::parallel_for (never within a head), so a token's bits never depend on the other tokens
-//   of the step or on the thread count. A task copies the keys and values of the KV heads it reads (each slot's
-//   heads together) to float32 buffers, then computes its query heads.
+// - Tasks: one per token (in a step of few tokens, one per KV head and the query heads that read it, or per query
+//   head, so that one stream's token uses every thread), split over threads by at::parallel_for (never within a
+//   head), so a token's bits never depend on the other tokens of the step or on the thread count. A task copies the
+//   keys and values of the KV heads it reads (each slot's heads together) to float32 buffers, then computes its
+//   query heads.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
 //   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
 //   out = T(sum_j p_j v_j). Products and sums in float32; e^x by exp8, the same polynomial in every lane.
@@ -82,9 +83,11 @@ void run(const Args& a) {
   const T* q_all = static_cast<const T*>(a.query);
   const C *k_cache = static_cast<const C*>(a.k_cache), *v_cache = static_cast<const C*>(a.v_cache);
   T* o_all = static_cast<T*>(a.out);
-  // A task: one token, or one of its query heads (split) when the step has too few tokens to keep every thread
-  // busy, as one stream's step: a head's arithmetic is the same either way.
-  const int64_t split = a.n >= 4 * at::get_num_threads() ? 1 : a.heads;
+  // A task: one token; in a step of too few tokens to keep every thread busy (one stream's), one of its KV heads
+  // with the query heads that read it (its keys copied once), or one query head where there are too few of those.
+  // A head's arithmetic is the same either way.
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = a.n >= 4 * threads ? 1 : a.n * a.kv_heads >= threads ? a.kv_heads : a.heads;
   at::parallel_for(0, a.n * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(dim), k, v, p;
     for (int64_t task = begin; task < end; ++task) {

@@ -47,8 +47,8 @@ namespace {
 
 enum Kind : int64_t { F32 = 0, BF16 = 1, INT4 = 2, INT8 = 3 };
 enum Isa : int64_t { AVX2 = 1, AVX512 = 2, AVX512BF16 = 3 };
-constexpr int64_t GROUP_BYTES = 384;  // an int4 block's group: 64 bytes of scales, 64 of mins, 256 of codes
-constexpr int64_t INT8_GROUP_BYTES = 576;  // an int8 block's group: 64 bytes of scales, 512 of codes
+// A block's group of 32 inputs: int4 384 bytes (64 of scales, 64 of mins, 256 of codes), int8 576 (64, 512 of codes).
+constexpr int64_t GROUP_BYTES = 384, INT8_GROUP_BYTES = 576;
 constexpr int64_t PREFETCH = 2048;  // bytes ahead in a column block's stream (past its end: the next block's)
 
 // Calls f(std::integral_constant<int, r>) for 1 <= r <= R: a tile's row count as a compile-time constant.
