@@ -57,14 +57,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // product and the sum fused as torch's addcmul fuses them in float32 (a product of two bfloat16 values is exact in
 // float32: there fused or not is the same). FMA: used only where cpu_matmul.isa() vouches for AVX2 and FMA.
 template <typename T>
-__attribute__((target("avx2,fma"))) void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache,
-                                                   T* v_cache, const int64_t* slots, int64_t tokens, int64_t heads,
-                                                   int64_t kv_heads, int64_t dim) {
+void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache, T* v_cache, const int64_t* slots,
+               int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
   auto put_row = [row](const T* src, T* dst) {  // a K or V row (finite values, else 0) into its slot
     for (int64_t i = 0; i < row; ++i) dst[i] = std::isfinite(float(src[i])) ? src[i] : T(0);
   };
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  // The target on the task itself: OpenMP's outlined region around it would not inherit one of rope_rows'.
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) __attribute__((target("avx2,fma"))) {
     std::vector<T> k(row);
     for (int64_t t = begin; t < end; ++t) {
       const T *x = qkv + t * width, *c = cos + t * dim, *s = sin + t * dim;
