@@ -3,7 +3,8 @@ those of plain decoding. The scheduler gives a decoding sequence up to num_specu
 by looking its last tokens up earlier in its own prompt and output; the runner computes them as more query tokens
 of the sequence (each a generated token at its position, so its logits are those a plain decode there would give:
 ARCHITECTURE.md, "Lanes never mix"); the engine samples the positions in order with the sequence's own generator
-and keeps a draft while the sampled token equals it. Drafts use only the rows a step computes almost for free."""
+and keeps a draft while the sampled token equals it. No row is free (the CPU kernel does not pad), so a lane drafts
+as much as its drafts get accepted."""
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ import torch
 from sampler import sample
 from sequence import Sequence, Status
 
-# Query tokens a step may hold at about the cost of one lone decode: the CPU matmul kernel does not pad rows, so
-# this is measured (BENCHMARKS.md, "Speculative decoding"). Decoding lanes share what they leave of it.
+# Query tokens a step may hold with drafts: decoding lanes share what they leave of it; a row costs up to about a
+# fifth of a one-stream step (BENCHMARKS.md, "Speculative decoding"), paid for by the drafts a lane gets accepted.
 DRAFT_ROWS = 8
 
 
