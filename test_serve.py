@@ -957,7 +957,10 @@ def test_access_log_and_request_histograms(tiny_server, tiny_client):
 def test_access_log_says_499_for_a_client_gone_before_its_answer(tiny_server):
     tiny_server.log = log = io.StringIO()
     try:
-        body = json.dumps({"model": "tiny", "prompt": "Leave", "max_tokens": 200, "ignore_eos": True}).encode()
+        # An answer that takes a few of the server's looks at the socket (one each 0.1 s), so that one comes after
+        # the client's close on any machine: 16 choices of 240 tokens with logprobs (the tiny model is quick).
+        body = json.dumps({"model": "tiny", "prompt": "Leave", "max_tokens": 240, "ignore_eos": True, "n": 16,
+                           "logprobs": 5}).encode()
         with socket.create_connection((tiny_server.host, tiny_server.port)) as sock:  # closed once sent
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         deadline = time.monotonic() + 10
