@@ -356,9 +356,9 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
                          "token counts would be guesses")
     req.prompt_tokens, req.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
     if req.output_tokens != req.max_tokens and req.ignore_eos or req.output_tokens > req.max_tokens:
-        raise BenchError(f"asked for {req.max_tokens} tokens with ignore_eos, but the server's usage says "
-                         f"{req.output_tokens}: it does not honour ignore_eos or max_tokens, so the numbers "
-                         "would not compare")
+        raise BenchError(f"asked for {req.max_tokens} tokens {'with ignore_eos' if req.ignore_eos else 'at most'}, "
+                         f"but the server's usage says {req.output_tokens}: it does not honour ignore_eos or "
+                         "max_tokens, so the numbers would not compare")
 
 
 async def run_until(coros: list, until: float) -> bool:

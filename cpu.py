@@ -201,7 +201,7 @@ class BucketedAttention:
     - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values
       ([heads, b] by [b, kv_heads * dim]), with its own copy of the keys. Items with the same b run together.
       Where cpu_matmul builds (kernel), its token_attention computes every generated token instead, one task per
-      token (or query head, in a step of few tokens), reading only keys 0..p.
+      token (or KV head or query head, in a step of few tokens), reading only keys 0..p.
     - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
       own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
       bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of its keys.

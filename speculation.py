@@ -15,8 +15,8 @@ import torch
 from sampler import sample
 from sequence import Sequence, Status
 
-# Query tokens a step may hold with drafts: decoding lanes share what they leave of it; a row costs up to about a
-# fifth of a one-stream step (BENCHMARKS.md, "Speculative decoding"), paid for by the drafts a lane gets accepted.
+# Query tokens a step may hold with drafts: decoding lanes share what they leave of it. A row is not free
+# (BENCHMARKS.md, "Speculative decoding", has what it costs): a lane's drafts are paid for by those it gets accepted.
 DRAFT_ROWS = 8
 
 

@@ -335,7 +335,7 @@ def test_the_repeat_workloads_replies_end_where_the_model_ends_them(stub, tmp_pa
     assert Stub.ignore_eos == [False, False]
     rc, report, out, err = run(["--base-url", stub(short=-1), "--workload", "repeat", "--max-tokens", "5",
                                 "--concurrency", "1", "--warmup", "0"], tmp_path, capsys)
-    assert rc == 1 and "usage says 6" in err
+    assert rc == 1 and "asked for 5 tokens at most, but the server's usage says 6" in err
 
 
 def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, capsys):

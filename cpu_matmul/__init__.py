@@ -6,8 +6,8 @@ matrix-vector product streaming the weights once. float32 and bfloat16 weights, 
 w = q * scale). Beside them the row-wise ops (rows.cpp: rms_norm, rope_store) and a Llama layer's decode halves
 composed from all these in C++ (layer.cpp: attend, mlp; cpu.FusedBlock calls them). Built with
 torch.utils.cpp_extension on first use, as attention_cuda is; where it does not build, or the CPU has none of its
-instruction sets, isa() is None and cpu.py keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2, avx512 or avx512_bf16; unset, the best
-this CPU has."""
+instruction sets, isa() is None and cpu.py keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2,
+avx512 or avx512_bf16; unset, the best this CPU has."""
 from __future__ import annotations
 
 import contextlib

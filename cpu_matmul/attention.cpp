@@ -155,8 +155,8 @@ void token_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "token_attention: contiguous CPU tensors");
   for (const at::Tensor* t : {&block_tables, &rows, &seqs, &positions})
     TORCH_CHECK(t->scalar_type() == at::kLong, "token_attention: int64 indices");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.is_contiguous(),
-              "token_attention: out like query");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.is_contiguous() &&
+                  out.is_cpu(), "token_attention: out like query");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(2) == k_cache.size(3) && query.size(2) % 8 == 0,
               "token_attention: shapes (heads a multiple of KV heads, dim a multiple of 8)");
   const bool codes = k_cache.element_size() == 1;
