@@ -6,6 +6,7 @@ Every number is taken from outside, as a user sees it: streamed over real HTTP, 
 chunk, ITL between content chunks, token counts from the server's usage. Every run stops by itself: each phase
 gets a share of --time-limit, and whatever is in flight when its share is spent is cancelled and the phase
 marked partial (*), so a slow machine yields a shorter measurement, never a hung one."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-import bench_plot
+from benchmarks import bench_plot
 from cli import ArgumentParser
 from config import DEFAULT_MODEL, EngineConfig, add_cli_args, from_cli_args
 from engine import LLM, SamplingParams
@@ -40,20 +41,34 @@ PROMPT = "Request {i}: write a long, detailed story about a lighthouse keeper wh
 # --workload repeat: the output repeats the input with one change, as edit, rewrite and retrieval prompts do (where
 # speculative decoding's n-gram drafts, looked up in the prompt, are accepted). Its replies end where the model ends
 # them (no ignore_eos): past its end a reply would be free text, no longer a repeat.
-REPEAT_PROMPT = ("Request {i}: Repeat this paragraph word for word, with Monday changed to Tuesday:\n\n"
-                 "The library opens at nine on Monday and closes at six in the evening. Members may borrow up to five "
-                 "books at a time, and books are due back within three weeks. Late returns cost ten cents a day. The "
-                 "reading room on the second floor is quiet and has desks with lamps. Children's books are on the "
-                 "ground floor, next to the stairs. The library is closed on public holidays, and on the first Sunday "
-                 "of every month.")
+REPEAT_PROMPT = (
+    "Request {i}: Repeat this paragraph word for word, with Monday changed to Tuesday:\n\n"
+    "The library opens at nine on Monday and closes at six in the evening. Members may borrow up to five "
+    "books at a time, and books are due back within three weeks. Late returns cost ten cents a day. The "
+    "reading room on the second floor is quiet and has desks with lamps. Children's books are on the "
+    "ground floor, next to the stairs. The library is closed on public holidays, and on the first Sunday "
+    "of every month."
+)
 # vLLM's benchmark_serving table: its metric names, section titles and statistics ("Median" is p50 in the JSON).
-METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-           ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+METRICS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
 STATS = (("mean", "Mean"), ("p50", "Median"), ("p95", "P95"), ("p99", "P99"))
 SERVE_URL = "http://127.0.0.1:8000"  # where serve.py (and vLLM) listen by default
 # --quick: a first look in under a minute on a small CPU; flags given explicitly still win.
-QUICK = {"concurrency": [1, 4], "max_tokens": 64, "requests_per_client": 1, "warmup": 1, "time_limit": 50,
-         "num_prompts": 16, "min_len": 32, "max_len": 128}
+QUICK = {
+    "concurrency": [1, 4],
+    "max_tokens": 64,
+    "requests_per_client": 1,
+    "warmup": 1,
+    "time_limit": 50,
+    "num_prompts": 16,
+    "min_len": 32,
+    "max_len": 128,
+}
 USAGE = f"""bench.py --base-url {SERVE_URL} [options]   measure a server already running (serve.py, vLLM, ...)
    or: bench.py [options] [engine flags]                      start its own server in this process and measure it"""
 DESCRIPTION = f"""\
@@ -65,7 +80,7 @@ clients, each sending its requests one after another.
 by the engine flags below, on a free loopback port, and measures it from a separate client process; a server
 running on {SERVE_URL} is then not measured.
 
---quick: concurrency 1 and 4, {QUICK['max_tokens']} tokens, one request per client: under a minute on a 2-core CPU.
+--quick: concurrency 1 and 4, {QUICK["max_tokens"]} tokens, one request per client: under a minute on a 2-core CPU.
 The full default sweep (1, 4, 16, 64 clients) takes up to --time-limit. --mixed-probe adds the mixed short/long
 probe, --compare-static a static-batching server, --offline measures LLM.generate without HTTP."""
 
@@ -82,47 +97,78 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 def _number(kind: type, zero_ok: bool = False, most: float = math.inf):
     """An argparse type: a positive int or float (or zero, with zero_ok), at most `most`."""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if not (value >= 0 if zero_ok else value > 0) or not math.isfinite(value) or value > most:
             bounds = f"{'>=' if zero_ok else '>'} 0" + (f" and <= {most:g}" if most < math.inf else "")
             raise argparse.ArgumentTypeError(f"{text} must be finite and {bounds}")
         return value
+
     return parse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="bench.py", usage=USAGE, formatter_class=_Help, description=DESCRIPTION)
     a, pos, num, count = p.add_argument, _number(int), _number(float), _number(int, zero_ok=True)
-    a("--base-url", help=f"measure this running OpenAI-compatible server (e.g. {SERVE_URL}) instead of "
-      "starting one")
-    a("--quick", action="store_true", help="a short run: " + ", ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in QUICK.items()))
+    a("--base-url", help=f"measure this running OpenAI-compatible server (e.g. {SERVE_URL}) instead of starting one")
+    a(
+        "--quick",
+        action="store_true",
+        help="a short run: "
+        + ", ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in QUICK.items()
+        ),
+    )
     a("--api-key", default="none", help="bearer token for --base-url")
     a("--compare-static", action="store_true", help="also run everything against a static-batching server")
     a("--offline", action="store_true", help="offline throughput through LLM.generate's step loop, no HTTP")
     a("--concurrency", type=pos, nargs="+", default=[1, 4, 16, 64], help="client counts to sweep")
-    a("--workload", choices=["chat", "repeat"], default="chat", help="the sweep's prompt: chat (write a story) or "
-      "repeat (repeat a paragraph with one change, replies ending where the model ends them: where speculative "
-      "decoding pays)")
-    a("--max-tokens", type=pos, default=128, help="output tokens per sweep request (ignore_eos; "
-      "--workload repeat: at most)")
+    a(
+        "--workload",
+        choices=["chat", "repeat"],
+        default="chat",
+        help="the sweep's prompt: chat (write a story) or "
+        "repeat (repeat a paragraph with one change, replies ending where the model ends them: where speculative "
+        "decoding pays)",
+    )
+    a(
+        "--max-tokens",
+        type=pos,
+        default=128,
+        help="output tokens per sweep request (ignore_eos; --workload repeat: at most)",
+    )
     a("--requests-per-client", type=pos, default=2, help="requests each client sends in turn, per level")
     a("--warmup", type=count, default=2, help="unmeasured requests before measuring")
-    a("--temperature", type=_number(float, zero_ok=True, most=2), default=0.0,  # the API's range: more gets HTTP 400
-      help="sampling temperature (0: greedy, as vLLM's bench)")
-    a("--slo-ttft", type=num, help="goodput counts the requests whose TTFT is at most this, in ms (as vLLM's "
-      "--goodput ttft:MS)")
+    a(
+        "--temperature",
+        type=_number(float, zero_ok=True, most=2),
+        default=0.0,  # the API's range: more gets HTTP 400
+        help="sampling temperature (0: greedy, as vLLM's bench)",
+    )
+    a(
+        "--slo-ttft",
+        type=num,
+        help="goodput counts the requests whose TTFT is at most this, in ms (as vLLM's --goodput ttft:MS)",
+    )
     a("--slo-tpot", type=num, help="... and whose TPOT is at most this, in ms (vLLM's --goodput tpot:MS)")
-    a("--mixed-probe", action="store_true", help="first, long and short requests sent together: does a short one "
-      "wait for the long ones? (continuous vs static batching)")
+    a(
+        "--mixed-probe",
+        action="store_true",
+        help="first, long and short requests sent together: does a short one "
+        "wait for the long ones? (continuous vs static batching)",
+    )
     a("--mixed-short", type=pos, default=8, help="--mixed-probe: max_tokens of the short requests")
     a("--mixed-long", type=pos, default=512, help="--mixed-probe: max_tokens of the long requests")
-    a("--mixed-num-short", type=count, default=16, help="--mixed-probe: short requests (0, without "
-      "--mixed-probe: no probe, as the default)")
+    a(
+        "--mixed-num-short",
+        type=count,
+        default=16,
+        help="--mixed-probe: short requests (0, without --mixed-probe: no probe, as the default)",
+    )
     a("--mixed-num-long", type=pos, default=4, help="--mixed-probe: long requests")
     a("--num-prompts", type=pos, default=256, help="--offline: sequences")
     a("--min-len", type=pos, default=100, help="--offline: shortest prompt and output, tokens")
@@ -145,7 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--min-len ({args.min_len}) is above --max-len ({args.max_len})")
     try:
         url = urllib.parse.urlsplit(args.base_url or "http://x")
-        url.port  # raises for a bad port
+        _ = url.port  # raises for a bad port
     except ValueError:
         url = None
     if not (url and url.scheme in ("http", "https") and url.netloc):
@@ -153,16 +199,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     def changed(*names: str) -> list[str]:  # the flags among these given a value other than their default
         return [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != p.get_default(k)]
+
     offline_only = changed("num_prompts", "min_len", "max_len")
-    online_only = [flag for flag, given in (("--compare-static", args.compare_static), ("--slo-ttft", args.slo_ttft),
-                                            ("--slo-tpot", args.slo_tpot), ("--plot", args.plot),
-                                            ("--mixed-probe", args.mixed_probe)) if given]
+    online_only = [
+        flag
+        for flag, given in (
+            ("--compare-static", args.compare_static),
+            ("--slo-ttft", args.slo_ttft),
+            ("--slo-tpot", args.slo_tpot),
+            ("--plot", args.plot),
+            ("--mixed-probe", args.mixed_probe),
+        )
+        if given
+    ]
     if args.offline and online_only or not args.offline and offline_only:
-        p.error(f"{', '.join(online_only if args.offline else offline_only)}: not for "
-                f"{'--offline' if args.offline else 'the sweep (those are --offline knobs)'}")
+        p.error(
+            f"{', '.join(online_only if args.offline else offline_only)}: not for "
+            f"{'--offline' if args.offline else 'the sweep (those are --offline knobs)'}"
+        )
     # The probe's sizes without the probe: a mistake, except --mixed-num-short 0 (how the probe was turned off).
-    probe_sizes = changed("mixed_short", "mixed_long", "mixed_num_long") + (changed("mixed_num_short")
-                                                                           if args.mixed_num_short else [])
+    probe_sizes = changed("mixed_short", "mixed_long", "mixed_num_long") + (
+        changed("mixed_num_short") if args.mixed_num_short else []
+    )
     if probe_sizes and not args.mixed_probe:
         p.error(f"{', '.join(probe_sizes)}: the mixed probe's sizes; the probe runs only with --mixed-probe")
     if args.mixed_probe and not args.mixed_num_short:
@@ -181,8 +239,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("bench.py: matplotlib is not installed, so --plot will be skipped (pip install matplotlib)",
-              file=sys.stderr)
+        print(
+            "bench.py: matplotlib is not installed, so --plot will be skipped (pip install matplotlib)", file=sys.stderr
+        )
     return args
 
 
@@ -215,16 +274,17 @@ class Progress:
 @dataclass
 class Request:
     """One streamed request as the client saw it; times in seconds from the start of its phase."""
-    group: str                    # "warmup", "sweep", "short" or "long"
+
+    group: str  # "warmup", "sweep", "short" or "long"
     max_tokens: int
-    ignore_eos: bool = True       # False: the reply may end before max_tokens (the repeat workload's)
+    ignore_eos: bool = True  # False: the reply may end before max_tokens (the repeat workload's)
     start: float = 0.0
-    ttft: float | None = None     # to the first chunk with content
+    ttft: float | None = None  # to the first chunk with content
     itl: list[float] = field(default_factory=list)  # between chunks with content
-    end: float | None = None      # None: cut by the time limit, or failed
-    chunks: int = 0               # content chunks seen: a cut request's token count (no usage comes for it)
+    end: float | None = None  # None: cut by the time limit, or failed
+    chunks: int = 0  # content chunks seen: a cut request's token count (no usage comes for it)
     prompt_tokens: int = 0
-    output_tokens: int = 0        # from the server's usage
+    output_tokens: int = 0  # from the server's usage
     error: str | None = None
 
 
@@ -244,12 +304,19 @@ class Client:
 
     async def _open(self, method: str, path: str, body: dict | None = None, root: bool = False):
         b = self.base
-        reader, writer = await asyncio.open_connection(b.hostname, b.port or (443 if b.scheme == "https" else 80),
-                                                       ssl=True if b.scheme == "https" else None, limit=2**22)
+        reader, writer = await asyncio.open_connection(
+            b.hostname,
+            b.port or (443 if b.scheme == "https" else 80),
+            ssl=True if b.scheme == "https" else None,
+            limit=2**22,
+        )
         data = json.dumps(body).encode() if body is not None else b""
-        writer.write(f"{method} {'' if root else b.path}{path} HTTP/1.1\r\nHost: {b.netloc}\r\nConnection: close\r\n"
-                     f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        writer.write(
+            f"{method} {'' if root else b.path}{path} HTTP/1.1\r\nHost: {b.netloc}\r\nConnection: close\r\n"
+            f"Authorization: Bearer {self.api_key}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         status_line = (await reader.readline()).split()
         headers = {}
         while (line := await reader.readline()).strip():
@@ -325,9 +392,15 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
     """Fill req in place, so that a request cancelled at a time limit keeps what it measured."""
     req.start = time.perf_counter() - t0
     usage, last = None, 0.0
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": req.max_tokens,
-            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": req.ignore_eos}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": req.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": req.ignore_eos,
+    }
     try:
         async with asyncio.timeout(args.request_timeout):
             async for chunk in client.events("/chat/completions", body):
@@ -352,13 +425,16 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
         return
     req.end = time.perf_counter() - t0
     if usage is None:
-        raise BenchError("the server sent no usage in the stream (stream_options.include_usage); "
-                         "token counts would be guesses")
+        raise BenchError(
+            "the server sent no usage in the stream (stream_options.include_usage); token counts would be guesses"
+        )
     req.prompt_tokens, req.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
     if req.output_tokens != req.max_tokens and req.ignore_eos or req.output_tokens > req.max_tokens:
-        raise BenchError(f"asked for {req.max_tokens} tokens {'with ignore_eos' if req.ignore_eos else 'at most'}, "
-                         f"but the server's usage says {req.output_tokens}: it does not honour ignore_eos or "
-                         "max_tokens, so the numbers would not compare")
+        raise BenchError(
+            f"asked for {req.max_tokens} tokens {'with ignore_eos' if req.ignore_eos else 'at most'}, "
+            f"but the server's usage says {req.output_tokens}: it does not honour ignore_eos or "
+            "max_tokens, so the numbers would not compare"
+        )
 
 
 async def run_until(coros: list, until: float) -> bool:
@@ -367,8 +443,9 @@ async def run_until(coros: list, until: float) -> bool:
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return True
-    done, pending = await asyncio.wait(tasks, timeout=max(0.0, until - time.perf_counter()),
-                                       return_when=asyncio.FIRST_EXCEPTION)
+    done, pending = await asyncio.wait(
+        tasks, timeout=max(0.0, until - time.perf_counter()), return_when=asyncio.FIRST_EXCEPTION
+    )
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
@@ -388,25 +465,47 @@ def summarize(reqs: list[Request], duration: float, args) -> dict:
     done = [r for r in ok if r.end is not None]
     out = sum(r.output_tokens for r in done) + sum(r.chunks for r in ok if r.end is None)
     inp = sum(r.prompt_tokens for r in done)
-    series = {"ttft": [r.ttft for r in ok if r.ttft is not None], "itl": [x for r in ok for x in r.itl],
-              "e2el": [r.end - r.start for r in done],
-              "tpot": [(r.end - r.start - r.ttft) / (r.output_tokens - 1) for r in done
-                       if r.output_tokens > 1 and r.ttft is not None]}
-    m: dict = {"completed": len(done), "failed": len(reqs) - len(ok), "unfinished": len(ok) - len(done),
-               "duration_s": duration, "total_input_tokens": inp, "total_output_tokens": out,
-               "request_throughput": len(done) / duration, "output_throughput": out / duration,
-               "total_token_throughput": (inp + out) / duration,
-               "per_request_output_throughput": float(np.mean([r.output_tokens / (r.end - r.start) for r in done]))
-               if done else None, "first_error": next((r.error for r in reqs if r.error), None)}
+    series = {
+        "ttft": [r.ttft for r in ok if r.ttft is not None],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.end - r.start for r in done],
+        "tpot": [
+            (r.end - r.start - r.ttft) / (r.output_tokens - 1)
+            for r in done
+            if r.output_tokens > 1 and r.ttft is not None
+        ],
+    }
+    m: dict = {
+        "completed": len(done),
+        "failed": len(reqs) - len(ok),
+        "unfinished": len(ok) - len(done),
+        "duration_s": duration,
+        "total_input_tokens": inp,
+        "total_output_tokens": out,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out / duration,
+        "total_token_throughput": (inp + out) / duration,
+        "per_request_output_throughput": float(np.mean([r.output_tokens / (r.end - r.start) for r in done]))
+        if done
+        else None,
+        "first_error": next((r.error for r in reqs if r.error), None),
+    }
     for name, *_ in METRICS:
         xs = [x * 1000 for x in series[name]]
         m[f"mean_{name}_ms"] = float(np.mean(xs)) if xs else None
         for q in (50, 95, 99):
             m[f"p{q}_{name}_ms"] = pct(xs, q)
     if args.slo_ttft or args.slo_tpot:  # vLLM's goodput: completed requests meeting every SLO, per second
-        good = [r for r in done if r.ttft is not None and r.ttft * 1000 <= (args.slo_ttft or math.inf)
-                and (r.output_tokens < 2 or (r.end - r.start - r.ttft) / (r.output_tokens - 1) * 1000
-                     <= (args.slo_tpot or math.inf))]
+        good = [
+            r
+            for r in done
+            if r.ttft is not None
+            and r.ttft * 1000 <= (args.slo_ttft or math.inf)
+            and (
+                r.output_tokens < 2
+                or (r.end - r.start - r.ttft) / (r.output_tokens - 1) * 1000 <= (args.slo_tpot or math.inf)
+            )
+        ]
         m["goodput"] = len(good) / duration
     return m
 
@@ -446,25 +545,36 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
     metrics = summarize(reqs, duration, args)
     running = [m["vllm:num_requests_running"] for m in samples if "vllm:num_requests_running" in m]
     preempted = [m["vllm:num_preemptions_total"] for m in samples if "vllm:num_preemptions_total" in m]
-    counts = {k: [m[f"vllm:{k}_total"] for m in samples if f"vllm:{k}_total" in m]
-              for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "generation_tokens")}
+    counts = {
+        k: [m[f"vllm:{k}_total"] for m in samples if f"vllm:{k}_total" in m]
+        for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "generation_tokens")
+    }
     drafts, accepted, generated = (v[-1] - v[0] if v else 0 for v in counts.values())
-    metrics |= {"spec_acceptance": accepted / drafts if drafts else None,  # speculation: drafts accepted
-                # tokens a sequence gets per step it decodes in: 1 + accepted drafts per step
-                "spec_tokens_per_step": generated / (generated - accepted) if drafts and generated > accepted else None}
-    metrics |= {"server_running_mean": float(np.mean(running)) if running else None,
-                "server_running_max": int(max(running)) if running else None,
-                "server_preemptions": int(preempted[-1] - preempted[0]) if preempted else None}
-    return {"concurrency": concurrency, "partial": not complete, "metrics": metrics,
-            "requests": [asdict(r) for r in reqs]}
+    metrics |= {
+        "spec_acceptance": accepted / drafts if drafts else None,  # speculation: drafts accepted
+        # tokens a sequence gets per step it decodes in: 1 + accepted drafts per step
+        "spec_tokens_per_step": generated / (generated - accepted) if drafts and generated > accepted else None,
+    }
+    metrics |= {
+        "server_running_mean": float(np.mean(running)) if running else None,
+        "server_running_max": int(max(running)) if running else None,
+        "server_preemptions": int(preempted[-1] - preempted[0]) if preempted else None,
+    }
+    return {
+        "concurrency": concurrency,
+        "partial": not complete,
+        "metrics": metrics,
+        "requests": [asdict(r) for r in reqs],
+    }
 
 
 async def run_mixed(client, model: str, args, until: float, label: str) -> dict:
     """Long and short requests sent together: with continuous batching a short one leaves the batch as soon as
     it is done; with static batching it waits for the longest lane of its batch."""
     t0 = time.perf_counter()
-    reqs = [Request("long", args.mixed_long) for _ in range(args.mixed_num_long)] + \
-           [Request("short", args.mixed_short) for _ in range(args.mixed_num_short)]
+    reqs = [Request("long", args.mixed_long) for _ in range(args.mixed_num_long)] + [
+        Request("short", args.mixed_short) for _ in range(args.mixed_num_short)
+    ]
     bar = Progress(f"{label}, mixed probe", len(reqs))
 
     async def one(i: int, r: Request) -> None:
@@ -480,10 +590,14 @@ async def run_mixed(client, model: str, args, until: float, label: str) -> dict:
     # counts as earlier only if it finished at least one decode step (the long ones' median ITL) before.
     step = pct([x for r in longs for x in r.itl], 50) or 0.0
     before = sum(r.end is not None and r.end < first_long - step for r in shorts)
-    return {"partial": not complete, "duration_s": duration, "short": summarize(shorts, duration, args),
-            "long": summarize(longs, duration, args),
-            "short_before_first_long": before / len(shorts) if any(r.end is not None for r in shorts) else None,
-            "requests": [asdict(r) for r in reqs]}
+    return {
+        "partial": not complete,
+        "duration_s": duration,
+        "short": summarize(shorts, duration, args),
+        "long": summarize(longs, duration, args),
+        "short_before_first_long": before / len(shorts) if any(r.end is not None for r in shorts) else None,
+        "requests": [asdict(r) for r in reqs],
+    }
 
 
 def pick_goodput(sweep: list[dict], args) -> dict | None:
@@ -491,8 +605,12 @@ def pick_goodput(sweep: list[dict], args) -> dict | None:
     if not (args.slo_ttft or args.slo_tpot):
         return None
     best = max((lv for lv in sweep if lv["metrics"]["goodput"]), key=lambda lv: lv["metrics"]["goodput"], default=None)
-    return {"slo_ttft_ms": args.slo_ttft, "slo_tpot_ms": args.slo_tpot,
-            "concurrency": best and best["concurrency"], "goodput": best and best["metrics"]["goodput"]}
+    return {
+        "slo_ttft_ms": args.slo_ttft,
+        "slo_tpot_ms": args.slo_tpot,
+        "concurrency": best and best["concurrency"],
+        "goodput": best and best["metrics"]["goodput"],
+    }
 
 
 def start_server(args, scheduling: str, until: float, report: dict) -> Server:
@@ -508,8 +626,12 @@ def start_server(args, scheduling: str, until: float, report: dict) -> Server:
         raise BenchError(f"the model failed to load: {e}") from None
     e = server.engine
     report["config"].setdefault("engine", {})[scheduling] = {
-        **asdict(e.config), "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
-        "max_model_len": e.max_model_len, "num_kv_blocks": e.block_manager.num_blocks}
+        **asdict(e.config),
+        "device": str(e.device),
+        "dtype": str(e.dtype).removeprefix("torch."),
+        "max_model_len": e.max_model_len,
+        "num_kv_blocks": e.block_manager.num_blocks,
+    }
     return server
 
 
@@ -523,13 +645,16 @@ async def measure(args, url: str, label: str, until: float) -> tuple[dict, str |
             async with asyncio.timeout(min(args.request_timeout, until - time.perf_counter())):  # a mute server
                 model = args.model if args.base_url and args.model else (await client.get("/models"))["data"][0]["id"]
         except TimeoutError:
-            raise BenchError(f"cannot list the models at {client.url}: no answer within --request-timeout "
-                             f"({args.request_timeout:g}s) or the time left of --time-limit") from None
+            raise BenchError(
+                f"cannot list the models at {client.url}: no answer within --request-timeout "
+                f"({args.request_timeout:g}s) or the time left of --time-limit"
+            ) from None
         except (HTTPError, OSError, ValueError, KeyError, IndexError) as e:
             raise BenchError(f"cannot list the models at {client.url}: {e}") from None
         t0, warm = time.perf_counter(), [Request("warmup", min(16, args.max_tokens)) for _ in range(args.warmup)]
-        if not await run_until([stream_one(client, model, r, PROMPT.format(i=-1 - j), args, t0)
-                                for j, r in enumerate(warm)], until):
+        if not await run_until(
+            [stream_one(client, model, r, PROMPT.format(i=-1 - j), args, t0) for j, r in enumerate(warm)], until
+        ):
             raise BenchError("the warm-up used up --time-limit before anything was measured; raise --time-limit")
         if err := next((r.error for r in warm if r.error), None):
             raise BenchError(f"warm-up request failed: {err}")
@@ -552,15 +677,20 @@ def _measure_in_child(args, url: str, label: str, seconds: float, conn) -> None:
 def say_which_server(args) -> None:
     """A vLLM user may expect the server already running on the default address to be the one measured: say
     which is, and note one answering there (a refused connect returns at once)."""
-    print(f"bench.py: starting its own server in this process ({args.model or DEFAULT_MODEL}) to measure; to "
-          f"measure a server already running, pass --base-url {SERVE_URL}", file=sys.stderr)
+    print(
+        f"bench.py: starting its own server in this process ({args.model or DEFAULT_MODEL}) to measure; to "
+        f"measure a server already running, pass --base-url {SERVE_URL}",
+        file=sys.stderr,
+    )
     url = urllib.parse.urlsplit(SERVE_URL)
     try:
         socket.create_connection((url.hostname, url.port), timeout=0.2).close()
     except OSError:
         return
-    print(f"bench.py: note: the server answering on {SERVE_URL} is not measured; --base-url {SERVE_URL} "
-          "measures it", file=sys.stderr)
+    print(
+        f"bench.py: note: the server answering on {SERVE_URL} is not measured; --base-url {SERVE_URL} measures it",
+        file=sys.stderr,
+    )
 
 
 def run_online(args, deadline: float, report: dict) -> None:
@@ -578,14 +708,17 @@ def run_online(args, deadline: float, report: dict) -> None:
             try:
                 ctx = multiprocessing.get_context("spawn")
                 receive, send = ctx.Pipe(duplex=False)
-                child = ctx.Process(target=_measure_in_child, daemon=True,
-                                    args=(args, server.url, label, until - time.perf_counter(), send))
+                child = ctx.Process(
+                    target=_measure_in_child,
+                    daemon=True,
+                    args=(args, server.url, label, until - time.perf_counter(), send),
+                )
                 child.start()
                 send.close()  # the child's copy is the only one left, so its death reads as EOF, not a hang
                 try:
                     run, model, error = receive.recv()
                 except EOFError:
-                    raise BenchError(f"the client process died (exit code {child.join(5) or child.exitcode})")
+                    raise BenchError(f"the client process died (exit code {child.join(5) or child.exitcode})") from None
                 child.join()
             finally:
                 server.stop()
@@ -606,12 +739,16 @@ def run_offline(args, deadline: float, report: dict) -> None:
         llm = LLM(engine_config(args))
     except Exception as e:  # as the in-process server reports its load's: a missing checkpoint, no such device, ...
         raise BenchError(f"the model failed to load: {e}") from None
-    report["config"]["engine"] = {**asdict(llm.config), "device": str(llm.device),
-                                  "dtype": str(llm.dtype).removeprefix("torch.")}
+    report["config"]["engine"] = {
+        **asdict(llm.config),
+        "device": str(llm.device),
+        "dtype": str(llm.dtype).removeprefix("torch."),
+    }
     rng = random.Random(args.seed)
     vocab = min(llm.model_config.vocab_size, 10000)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
-               for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_prompts)
+    ]
     outs = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
     try:
         llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, unmeasured
@@ -631,10 +768,18 @@ def run_offline(args, deadline: float, report: dict) -> None:
     elapsed = time.perf_counter() - t0
     bar.close("" if finished == args.num_prompts else "(time limit: partial)")
     generated = llm.num_generation_tokens - before
-    report["offline"] = {"num_prompts": args.num_prompts, "finished": finished, "partial": finished < args.num_prompts,
-                         "prompt_tokens": sum(map(len, prompts)), "requested_output_tokens": sum(outs),
-                         "output_tokens": generated, "time_s": elapsed, "output_throughput": generated / elapsed,
-                         "prompt_lens": [len(p) for p in prompts], "output_lens": outs}
+    report["offline"] = {
+        "num_prompts": args.num_prompts,
+        "finished": finished,
+        "partial": finished < args.num_prompts,
+        "prompt_tokens": sum(map(len, prompts)),
+        "requested_output_tokens": sum(outs),
+        "output_tokens": generated,
+        "time_s": elapsed,
+        "output_throughput": generated / elapsed,
+        "prompt_lens": [len(p) for p in prompts],
+        "output_lens": outs,
+    }
 
 
 def fmt(x) -> str:
@@ -653,74 +798,107 @@ def print_report(report: dict, args) -> None:
         by = {(lv["concurrency"], label): lv for label, run in runs.items() for lv in run["sweep"]}
         heads = [[clients(c) + ("*" if by.get((c, label), {}).get("partial") else "") for c, label in cols]]
         heads += [[label for _, label in cols]] if len(runs) > 1 else []  # continuous and static side by side
-        server = (args.base_url if args.base_url else
-                  f"its own, in this process, {' and '.join(runs)} batching")
-        rows = [("Successful requests", "completed"), ("Failed requests", "failed"),
-                ("Benchmark duration (s)", "duration_s"), ("Total input tokens", "total_input_tokens"),
-                ("Total generated tokens", "total_output_tokens"), ("Request throughput (req/s)", "request_throughput"),
-                ("Output token throughput (tok/s)", "output_throughput"),
-                ("Total Token throughput (tok/s)", "total_token_throughput"),  # vLLM's capital T
-                ("Per-request output throughput (tok/s)", "per_request_output_throughput"),
-                ("Running requests, server (mean)", "server_running_mean"),  # sampled at /metrics
-                ("Running requests, server (max)", "server_running_max"), ("Preemptions, server", "server_preemptions"),
-                ("Draft acceptance, server", "spec_acceptance"),
-                ("Tokens per sequence-step, server", "spec_tokens_per_step")]
+        server = args.base_url if args.base_url else f"its own, in this process, {' and '.join(runs)} batching"
+        rows = [
+            ("Successful requests", "completed"),
+            ("Failed requests", "failed"),
+            ("Benchmark duration (s)", "duration_s"),
+            ("Total input tokens", "total_input_tokens"),
+            ("Total generated tokens", "total_output_tokens"),
+            ("Request throughput (req/s)", "request_throughput"),
+            ("Output token throughput (tok/s)", "output_throughput"),
+            ("Total Token throughput (tok/s)", "total_token_throughput"),  # vLLM's capital T
+            ("Per-request output throughput (tok/s)", "per_request_output_throughput"),
+            ("Running requests, server (mean)", "server_running_mean"),  # sampled at /metrics
+            ("Running requests, server (max)", "server_running_max"),
+            ("Preemptions, server", "server_preemptions"),
+            ("Draft acceptance, server", "spec_acceptance"),
+            ("Tokens per sequence-step, server", "spec_tokens_per_step"),
+        ]
         rows += [("Request goodput (req/s)", "goodput")] if args.slo_ttft or args.slo_tpot else []
         for name, label, section in METRICS:
             rows += [(section, None)] + [(f"{s} {label} (ms)", f"{k}_{name}_ms") for k, s in STATS]
         print(f"\n{' Serving Benchmark Result ':=^{w + 14 * len(cols)}}")
         print(f"Server: {server}; model {report['config'].get('served_model')}")
         n = args.requests_per_client
-        print(f"Workload: {args.workload}; each client sends "
-              f"{'1 request' if n == 1 else f'{n} requests one after another'} of "
-              f"{args.max_tokens} output tokens (ignore_eos), temperature {args.temperature:g}")
+        print(
+            f"Workload: {args.workload}; each client sends "
+            f"{'1 request' if n == 1 else f'{n} requests one after another'} of "
+            f"{args.max_tokens} output tokens (ignore_eos), temperature {args.temperature:g}"
+        )
         for i, head in enumerate(heads):
             print(f"{'Concurrency (clients)' if i == 0 else 'Batching':<{w}}" + "".join(f"{h:>14}" for h in head))
         for title, key in rows:
             if key is None:
                 print(f"{title:-^{w + 14 * len(cols)}}")
                 continue
-            print(f"{title:<{w}}" + "".join(f"{fmt(by[c].get('metrics', {}).get(key)) if c in by else '-':>14}"
-                                            for c in cols))
+            print(
+                f"{title:<{w}}"
+                + "".join(f"{fmt(by[c].get('metrics', {}).get(key)) if c in by else '-':>14}" for c in cols)
+            )
         print("=" * (w + 14 * len(cols)))
         if any(lv["partial"] for lv in by.values()):
             print("* partial: the level's share of --time-limit ran out; counts include tokens streamed so far")
         for label, run in runs.items():
             if g := run.get("goodput"):
-                where = f"{fmt(g['goodput'])} req/s at {clients(g['concurrency'])}" if g["concurrency"] \
+                where = (
+                    f"{fmt(g['goodput'])} req/s at {clients(g['concurrency'])}"
+                    if g["concurrency"]
                     else "no request meets it"
-                print(f"Best goodput [{label}] at TTFT <= {fmt(g['slo_ttft_ms'])} ms, TPOT <= "
-                      f"{fmt(g['slo_tpot_ms'])} ms: {where}")
+                )
+                print(
+                    f"Best goodput [{label}] at TTFT <= {fmt(g['slo_ttft_ms'])} ms, TPOT <= "
+                    f"{fmt(g['slo_tpot_ms'])} ms: {where}"
+                )
         mixed = {label: run["mixed"] for label, run in runs.items() if run.get("mixed")}
         if mixed:
-            print(f"\n{'Mixed probe':<{w}}" + "".join(f"{label + ('*' if m['partial'] else ''):>14}"
-                                                      for label, m in mixed.items()))
-            for title, group, key in [(f"Short requests done (max_tokens {args.mixed_short})", "short", "completed"),
-                                      (f"Long requests done (max_tokens {args.mixed_long})", "long", "completed"),
-                                      ("Mean short E2EL (ms)", "short", "mean_e2el_ms"),
-                                      ("P95 short E2EL (ms)", "short", "p95_e2el_ms"),
-                                      ("Mean short TTFT (ms)", "short", "mean_ttft_ms"),
-                                      ("Mean long E2EL (ms)", "long", "mean_e2el_ms"),
-                                      ("Mean long TTFT (ms)", "long", "mean_ttft_ms")]:
+            print(
+                f"\n{'Mixed probe':<{w}}"
+                + "".join(f"{label + ('*' if m['partial'] else ''):>14}" for label, m in mixed.items())
+            )
+            for title, group, key in [
+                (f"Short requests done (max_tokens {args.mixed_short})", "short", "completed"),
+                (f"Long requests done (max_tokens {args.mixed_long})", "long", "completed"),
+                ("Mean short E2EL (ms)", "short", "mean_e2el_ms"),
+                ("P95 short E2EL (ms)", "short", "p95_e2el_ms"),
+                ("Mean short TTFT (ms)", "short", "mean_ttft_ms"),
+                ("Mean long E2EL (ms)", "long", "mean_e2el_ms"),
+                ("Mean long TTFT (ms)", "long", "mean_ttft_ms"),
+            ]:
                 print(f"{title:<{w}}" + "".join(f"{fmt(m[group][key]):>14}" for m in mixed.values()))
-            print(f"{'Short finished before first long (%)':<{w}}" + "".join(
-                f"{fmt(None if m['short_before_first_long'] is None else 100 * m['short_before_first_long']):>14}"
-                for m in mixed.values()))
+            print(
+                f"{'Short finished before first long (%)':<{w}}"
+                + "".join(
+                    f"{fmt(None if m['short_before_first_long'] is None else 100 * m['short_before_first_long']):>14}"
+                    for m in mixed.values()
+                )
+            )
     if o := report.get("offline"):
-        print(f"\nOffline: {o['finished']}/{o['num_prompts']} sequences{' (partial)' if o['partial'] else ''}, "
-              f"{o['prompt_tokens']} prompt tokens, {o['output_tokens']} output tokens in {o['time_s']:.2f}s: "
-              f"{o['output_throughput']:.2f} output tok/s")
+        print(
+            f"\nOffline: {o['finished']}/{o['num_prompts']} sequences{' (partial)' if o['partial'] else ''}, "
+            f"{o['prompt_tokens']} prompt tokens, {o['output_tokens']} output tokens in {o['time_s']:.2f}s: "
+            f"{o['output_throughput']:.2f} output tok/s"
+        )
 
 
 def versions() -> dict:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                             timeout=5).stdout.strip() or None
+        rev = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         rev = None
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "laneserve_git": rev, "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "laneserve_git": rev,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -729,8 +907,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.torch_threads)
     deadline = time.perf_counter() + args.time_limit
     knobs = {**vars(args), "api_key": "(set)" if args.api_key != "none" else None}  # no secrets in reports
-    report: dict = {"config": {"knobs": knobs, "model": args.model or DEFAULT_MODEL,
-                               "base_url": args.base_url, "versions": versions()}, "runs": {}}
+    report: dict = {
+        "config": {
+            "knobs": knobs,
+            "model": args.model or DEFAULT_MODEL,
+            "base_url": args.base_url,
+            "versions": versions(),
+        },
+        "runs": {},
+    }
     error = None
     try:
         if args.offline:
@@ -747,10 +932,17 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1)
     if args.plot and report["runs"] and importlib.util.find_spec("matplotlib") is not None:
         bench_plot.plot(report, args.plot)
-    phases = [(f"{label}, {clients(lv['concurrency'])}", lv["metrics"]) for label, run in report["runs"].items()
-              for lv in run["sweep"]]
-    phases += [(f"{label}, mixed probe {g}", run["mixed"][g]) for label, run in report["runs"].items() if run["mixed"]
-               for g in ("short", "long")]
+    phases = [
+        (f"{label}, {clients(lv['concurrency'])}", lv["metrics"])
+        for label, run in report["runs"].items()
+        for lv in run["sweep"]
+    ]
+    phases += [
+        (f"{label}, mixed probe {g}", run["mixed"][g])
+        for label, run in report["runs"].items()
+        if run["mixed"]
+        for g in ("short", "long")
+    ]
     failed = [f"{name}: {m['failed']} failed, first: {m['first_error']}" for name, m in phases if m["failed"]]
     if error or failed:
         print(f"bench.py: error: {error or 'requests failed: ' + '; '.join(failed)}", file=sys.stderr)

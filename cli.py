@@ -1,5 +1,6 @@
 """Command lines, as a vLLM user expects them: `--max_num_seqs` is `--max-num-seqs`, and a mistyped flag
 gets the usage line, the closest real flag, and where the rest are listed."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,9 +8,16 @@ import difflib
 import sys
 
 # Other servers' names for our flags (llama.cpp server, TGI), which a close spelling would not find.
-KNOWN_AS = {"--max-batch-size": "--max-num-seqs", "--batch-size": "--max-num-seqs", "--parallel": "--max-num-seqs",
-            "--ctx-size": "--max-model-len", "--max-total-tokens": "--max-model-len", "--threads": "--torch-threads",
-            "--model-name": "--served-model-name", "--alias": "--served-model-name"}
+KNOWN_AS = {
+    "--max-batch-size": "--max-num-seqs",
+    "--batch-size": "--max-num-seqs",
+    "--parallel": "--max-num-seqs",
+    "--ctx-size": "--max-model-len",
+    "--max-total-tokens": "--max-model-len",
+    "--threads": "--torch-threads",
+    "--model-name": "--served-model-name",
+    "--alias": "--served-model-name",
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -3,6 +3,7 @@ dtype) is read and its tokenizer built once per run, and every engine then gets 
 same tensors (an engine never writes into them). A GGUF file's header is parsed once per run, for us
 and for transformers alike. The loaders themselves are tested on fresh files of their own in
 test_weights.py and test_tokenizer.py."""
+
 import contextlib
 import functools
 import json
@@ -19,7 +20,7 @@ from model import ModelConfig
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device, skipped without one (.ci/gpu runs -m cuda)")
-    config.addinivalue_line("markers", "slow: over a few seconds on 2 cores; `pytest -m \"not slow\"` is the inner loop")
+    config.addinivalue_line("markers", 'slow: over a few seconds on 2 cores; `pytest -m "not slow"` is the inner loop')
 
 
 def pytest_collection_modifyitems(config, items):
@@ -45,7 +46,8 @@ def read_each_checkpoint_once():
         except ImportError:
             yield
             return
-        parse = functools.cache(lambda path, mtime_ns, reader=weights.gguf_reader(): reader(path))
+        reader = weights.gguf_reader()
+        parse = functools.cache(lambda path, mtime_ns: reader(path))
         cached = lambda path: parse(os.fspath(path), os.stat(path).st_mtime_ns)  # noqa: E731
         patch.setattr(gguf, "GGUFReader", cached)  # transformers' reader
         patch.setattr(weights, "gguf_reader", lambda: cached)
@@ -67,6 +69,7 @@ def torch_threads_restored():
 def hf_tokenizer():
     """transformers' tokenizer of the default GGUF: the reference implementation."""
     from transformers import AutoTokenizer
+
     d, f = os.path.split(weights.resolve_checkpoint())
     return AutoTokenizer.from_pretrained(d, gguf_file=f)
 
@@ -75,20 +78,28 @@ def hf_tokenizer():
 def hf_model():
     """transformers' model on the default GGUF, in float32: the reference implementation."""
     from transformers import AutoModelForCausalLM
+
     d, f = os.path.split(weights.resolve_checkpoint())
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
 # A two-layer model with SmolLM2's vocabulary, on random weights: for tests of scheduling and serving rather
 # than numerics, in milliseconds a step.
-TINY = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16)
+TINY = ModelConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
 @contextlib.contextmanager
 def serving(config: EngineConfig, **server_knobs):
     """A server of config on a free loopback port, ready; stopped afterwards."""
     from serve import Server
+
     s = Server(config, port=0, **server_knobs)
     s.start()
     try:
@@ -104,8 +115,9 @@ def serving_tiny(log_requests: bool = True, **knobs):
     failure paths, in milliseconds a request."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(weights.PRESETS, "tiny", TINY)
-        with serving(EngineConfig(model="tiny", dummy_weights=True, device="cpu", **knobs),
-                     log_requests=log_requests) as s:
+        with serving(
+            EngineConfig(model="tiny", dummy_weights=True, device="cpu", **knobs), log_requests=log_requests
+        ) as s:
             yield s
 
 
@@ -133,17 +145,31 @@ def smollm2_4_layers(hf_tokenizer, tmp_path_factory) -> str:
     LM head kept): a real model's numerics at a seventh of the cost, for tests of the scheduler's paths
     (preemption, prefix caching) rather than of the model."""
     from safetensors.torch import save_file
+
     path = tmp_path_factory.mktemp("smollm2-4-layers")
     config, state = weights.load_weights(weights.resolve_checkpoint())
-    save_file({k: v.contiguous() for k, v in state.items()
-               if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4}, path / "model.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 4},
+        path / "model.safetensors",
+    )
     c = config
     with open(path / "config.json", "w") as f:
-        json.dump({"model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-                   "intermediate_size": c.intermediate_size, "num_hidden_layers": 4,
-                   "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-                   "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-                   "max_position_embeddings": c.max_position_embeddings,
-                   "tie_word_embeddings": c.tie_word_embeddings}, f)
+        json.dump(
+            {
+                "model_type": "llama",
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_hidden_layers": 4,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim,
+                "rms_norm_eps": c.rms_norm_eps,
+                "rope_theta": c.rope_theta,
+                "max_position_embeddings": c.max_position_embeddings,
+                "tie_word_embeddings": c.tie_word_embeddings,
+            },
+            f,
+        )
     hf_tokenizer.save_pretrained(path)
     return str(path)

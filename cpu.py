@@ -1,6 +1,7 @@
 """CPU fast paths, an appendix to model.py and attention_cuda: the textbook forms there, arranged to run faster on
 a CPU (in bfloat16 the attention rounds where HF's eager attention does; with --quantization int4, the
 checkpoint's own 4-bit weights). optimize() swaps them into a loaded model once."""
+
 from __future__ import annotations
 
 import ctypes
@@ -15,7 +16,7 @@ import cpu_matmul
 from model import BatchMeta, Block, Transformer
 
 INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blocks
-ROW_TILE = 64   # the most rows per matmul call: see row_tile
+ROW_TILE = 64  # the most rows per matmul call: see row_tile
 KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
 GROUP = 64  # prompt positions per attention item: see BucketedAttention (KEY_BUCKET is a multiple)
 CALL_BYTES = 8 << 20  # the keys one of BucketedAttention's batched matmuls reads, at most (as many values)
@@ -46,8 +47,11 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
     tile = row_tile(max_num_seqs)
     dtype, flags = model.embed.weight.dtype, _cpu_flags()
     # oneDNN packs float32 weights everywhere, bfloat16 only where these instructions exist.
-    packs = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or dtype == torch.bfloat16 and (
-        {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags))
+    packs = torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32
+        or dtype == torch.bfloat16
+        and ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags)
+    )
 
     isa = cpu_matmul.isa() if dtype in cpu_matmul.KINDS else None  # the kernels take float32 and bfloat16
     model.attention = BucketedAttention(kernel=isa is not None and model.config.head_dim % 8 == 0)
@@ -62,6 +66,7 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
         if int4:
             return TiledLinear(Int4Linear(linear.weight), tile)
         return TiledLinear(PackedLinear(linear.weight, tile) if packs else linear, tile)
+
     _replace(model, nn.Linear, tiled)
     c = model.config  # Llama's layers, whole (one rank's shards add their outputs across ranks: no residual there)
     if isa and not (c.qk_norm or c.gemma) and all(layer.heads == c.num_attention_heads for layer in model.layers):
@@ -82,19 +87,52 @@ class FusedBlock:
         self.rope_store = torch.ops.laneserve_cpu.rope_store.default
         # layer.cpp's ops with the layer's arguments bound, positionally (keywords are parsed by name every call)
         qkv, o, norm = block.qkv, block.o, block.attn_norm
-        self.attend = partial(torch.ops.laneserve_cpu.attend.default, norm.weight, norm.eps, qkv.packed, qkv.kind,
-                              qkv.n, block.heads, block.scale, block.window, o.packed, o.kind, o.n, qkv.isa)
+        self.attend = partial(
+            torch.ops.laneserve_cpu.attend.default,
+            norm.weight,
+            norm.eps,
+            qkv.packed,
+            qkv.kind,
+            qkv.n,
+            block.heads,
+            block.scale,
+            block.window,
+            o.packed,
+            o.kind,
+            o.n,
+            qkv.isa,
+        )
         up, down, norm = block.gate_up, block.down, block.mlp_norm
-        self.mlp = partial(torch.ops.laneserve_cpu.mlp.default, norm.weight, norm.eps, up.packed, up.kind, up.n,
-                           down.packed, down.kind, down.n, up.isa)
+        self.mlp = partial(
+            torch.ops.laneserve_cpu.mlp.default,
+            norm.weight,
+            norm.eps,
+            up.packed,
+            up.kind,
+            up.n,
+            down.packed,
+            down.kind,
+            down.n,
+            up.isa,
+        )
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                 kv_cache: tuple[torch.Tensor, ...], ops: Transformer) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: BatchMeta,
+        kv_cache: tuple[torch.Tensor, ...],
+        ops: Transformer,
+    ) -> torch.Tensor:
         if len(kv_cache) > 2:
             return Block.forward(self.block, x, cos, sin, meta, kv_cache, ops)
         attention = ops.attention
-        token_calls, group_calls = (attention.planned(meta, kv_cache[0], x.dtype, self.window)
-                                    if isinstance(attention, BucketedAttention) and attention.kernel else ([], []))
+        token_calls, group_calls = (
+            attention.planned(meta, kv_cache[0], x.dtype, self.window)
+            if isinstance(attention, BucketedAttention) and attention.kernel
+            else ([], [])
+        )
         if token_calls and not group_calls:  # every token generated: one op
             tables, rows, seqs, positions = token_calls[0]
             return self.mlp(self.attend(x, cos, sin, *kv_cache, meta.slot_mapping, tables, rows, seqs, positions))
@@ -241,7 +279,7 @@ class BucketedAttention:
             return torch.zeros(hidden.shape, dtype=dtype).masked_fill_(hidden, float("-inf"))
 
         def blocks(seqs: torch.Tensor, b: int) -> torch.Tensor:  # their first b keys' blocks, block 0 past the end
-            return F.pad(tables[seqs], (0, b // block_size))[:, :b // block_size]
+            return F.pad(tables[seqs], (0, b // block_size))[:, : b // block_size]
 
         def calls(buckets: torch.Tensor, least: int):
             """Per call: b, every index whose bucket is b, and the call's indices (CALL_BYTES of keys, or least)."""
@@ -249,7 +287,7 @@ class BucketedAttention:
                 members = (buckets == b).nonzero()[:, 0]
                 per = max(least, CALL_BYTES // (b * key_bytes))
                 for i in range(0, len(members), per):
-                    yield b, members, members[i:i + per]
+                    yield b, members, members[i : i + per]
 
         generated = (~prompt).nonzero()[:, 0]
         if self.kernel:
@@ -287,9 +325,17 @@ class BucketedAttention:
             self.plans[window] = self.plan(meta, k_cache, dtype, window)
         return self.plans[window]
 
-    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
-                 scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMeta,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
         token_calls, group_calls = self.planned(meta, k_cache, query.dtype, window)
         n, heads, dim = query.shape
         kv_heads = k_cache.shape[2]
@@ -298,9 +344,19 @@ class BucketedAttention:
 
         def keys_values(blocks: torch.Tensor) -> list[torch.Tensor]:
             return [gather_keys(c, blocks, s, query.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale))]
+
         if token_calls and self.kernel:
-            torch.ops.laneserve_cpu.token_attention(query.contiguous(), k_cache, v_cache, *token_calls[0], scale,
-                                                    window, k_scale, v_scale, out.view(n, heads, dim))
+            torch.ops.laneserve_cpu.token_attention(
+                query.contiguous(),
+                k_cache,
+                v_cache,
+                *token_calls[0],
+                scale,
+                window,
+                k_scale,
+                v_scale,
+                out.view(n, heads, dim),
+            )
         elif token_calls:
             # Grouped-query attention without a copy of the keys per query head: query head h is laid out
             # across all kv_heads * dim columns, zero outside its own KV head's slice (a product with the
@@ -313,6 +369,7 @@ class BucketedAttention:
                 # Backwards: head h's result is the slice of its row that belongs to its KV head.
                 out.index_copy_(0, rows, o.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
         if group_calls:
+
             def by_kv_head(x: torch.Tensor, items: int, length: int) -> torch.Tensor:
                 """[items * length, kv_heads * width] as [items * kv_heads, length * width / dim, dim]."""
                 return x.view(items, length, kv_heads, -1).transpose(1, 2).reshape(items * kv_heads, -1, dim)
@@ -328,14 +385,32 @@ class BucketedAttention:
                 out.index_copy_(0, rows, o.index_select(0, present))
         return out.view(n, heads, dim)
 
-    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-               window: int = 0) -> torch.Tensor:
+    def decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        max_context_len: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
         """attention_cuda.paged_attention's signature and result."""
         lens = context_lens.tolist()
-        meta = BatchMeta(torch.empty(0), block_tables, context_lens, torch.empty(0), 1,
-                         max(lens), [1] * len(lens), lens, [0] * len(lens))
+        meta = BatchMeta(
+            torch.empty(0),
+            block_tables,
+            context_lens,
+            torch.empty(0),
+            1,
+            max(lens),
+            [1] * len(lens),
+            lens,
+            [0] * len(lens),
+        )
         return self(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
 
 
@@ -348,8 +423,9 @@ def key_bucket(n: torch.Tensor, smallest: int) -> torch.Tensor:
     return (n + step - 1) // step * step
 
 
-def gather_keys(cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None,
-                dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_keys(
+    cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The slots of blocks ([rows, n] block ids) as [rows, n * block_size, kv_heads * dim], contiguous. A
     block is one contiguous row of the cache, so the gather is a row index_select: a memcpy per block. With
     scales (an 8-bit cache), the same blocks' scales too, and the codes dequantized to dtype."""
@@ -360,9 +436,15 @@ def gather_keys(cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor 
     return x.view(len(blocks), -1, cache.shape[2] * cache.shape[3])
 
 
-def store_finite_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> None:
+def store_finite_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """attention_cuda.store_kv (quantizing into an 8-bit cache), non-finite keys and values stored as 0.
     BucketedAttention reads slots past a sequence's end (another sequence's, or a block's former owner's) and weighs
     them by exactly 0 (an added -inf score), which needs finite keys and values. The weights bound the finite keys

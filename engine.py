@@ -1,4 +1,5 @@
 """The step loop: requests in, one scheduled forward pass per step, tokens out."""
+
 from __future__ import annotations
 
 import random
@@ -27,7 +28,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    delta: str          # text released by this step
+    delta: str  # text released by this step
     finished: bool
     finish_reason: str | None  # "stop" or "length", as in OpenAI's API; "error" when error is set
     logprob: TokenLogprob | None = None  # of the token this step produced, when asked for
@@ -41,6 +42,7 @@ class RequestOutput:
 class SeqStep:
     """One sequence in one step of the trace. kv_tokens: all its tokens after the step, the whole prompt and the
     generated ones, the one sampled this step included (its K/V is written next step)."""
+
     request_id: str
     num_new_tokens: int
     num_generated: int
@@ -59,8 +61,9 @@ class Engine:
         self.runner = r = ModelRunner(c)
         self.device, self.dtype, self.model_config = r.device, r.dtype, r.model_config
         self.max_model_len, self.checkpoint_path = r.max_model_len, r.checkpoint_path
-        self.tokenizer = (byte_tokenizer(self.model_config.vocab_size) if c.dummy_weights
-                          else load_tokenizer(r.checkpoint_path))
+        self.tokenizer = (
+            byte_tokenizer(self.model_config.vocab_size) if c.dummy_weights else load_tokenizer(r.checkpoint_path)
+        )
         if template:
             self.tokenizer = self.tokenizer.with_chat_template(template)
         weights.read_gguf.cache_clear()  # the parsed header, vocabulary included, was the tokenizer's
@@ -84,15 +87,24 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Counters and gauges for the server's /metrics."""
         s, bm = self.scheduler, self.block_manager
-        return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
-                "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks, "num_kv_blocks": bm.num_blocks,
-                "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_queries,
-                "prefix_cache_hits": s.prefix_hits, "prompt_tokens": self.num_prompt_tokens,
-                "generation_tokens": self.num_generation_tokens, "spec_decode_draft_tokens": self.num_draft_tokens,
-                "spec_decode_accepted_tokens": self.num_accepted_tokens}
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_swapped": len(s.swapped),
+            "kv_usage": 1 - bm.num_free_blocks / bm.num_blocks,
+            "num_kv_blocks": bm.num_blocks,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_queries": s.prefix_queries,
+            "prefix_cache_hits": s.prefix_hits,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "spec_decode_draft_tokens": self.num_draft_tokens,
+            "spec_decode_accepted_tokens": self.num_accepted_tokens,
+        }
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queue a request; it joins the running batch at the next step with room for it."""
         params = SamplingParams(**self.sampling_defaults) if params is None else params
         if not isinstance(params, SamplingParams):
@@ -101,25 +113,41 @@ class Engine:
             params = replace(params, cache_salt=secrets.token_hex(16))
         if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
             raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        ids = (self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token) if isinstance(prompt, str)
-               else list(prompt))
+        ids = (
+            self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         c, vocab, pool = self.config, self.model_config.vocab_size, self.block_manager.num_blocks
         blocks = -(-(len(ids) + params.max_tokens) // c.block_size)
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        require([(bool(ids), "prompt is empty"),
-                 (isinstance(request_id, str) and request_id != "", "request_id must be a non-empty string"),
-                 (all(0 <= t < vocab for t in ids), f"token ids must be in [0, {vocab})"),
-                 (all(0 <= t < vocab for t in [*params.logit_bias, *params.stop_token_ids]),
-                  f"logit_bias and stop_token_ids take token ids in [0, {vocab})"),
-                 (len(ids) + params.max_tokens <= self.max_model_len, f"prompt ({len(ids)} tokens) + max_tokens "
-                  f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"),
-                 (blocks <= pool, f"prompt + max_tokens needs {blocks} KV blocks; the pool has only {pool}"),
-                 (c.enable_chunked_prefill or len(ids) <= c.max_num_batched_tokens, f"prompt ({len(ids)} tokens) "
-                  f"exceeds max_num_batched_tokens ({c.max_num_batched_tokens}) with chunked prefill off"),
-                 (request_id not in self.requests, f"duplicate request id {request_id!r}")])
+        require(
+            [
+                (bool(ids), "prompt is empty"),
+                (isinstance(request_id, str) and request_id != "", "request_id must be a non-empty string"),
+                (all(0 <= t < vocab for t in ids), f"token ids must be in [0, {vocab})"),
+                (
+                    all(0 <= t < vocab for t in [*params.logit_bias, *params.stop_token_ids]),
+                    f"logit_bias and stop_token_ids take token ids in [0, {vocab})",
+                ),
+                (
+                    len(ids) + params.max_tokens <= self.max_model_len,
+                    f"prompt ({len(ids)} tokens) + max_tokens "
+                    f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})",
+                ),
+                (blocks <= pool, f"prompt + max_tokens needs {blocks} KV blocks; the pool has only {pool}"),
+                (
+                    c.enable_chunked_prefill or len(ids) <= c.max_num_batched_tokens,
+                    f"prompt ({len(ids)} tokens) "
+                    f"exceeds max_num_batched_tokens ({c.max_num_batched_tokens}) with chunked prefill off",
+                ),
+                (request_id not in self.requests, f"duplicate request id {request_id!r}"),
+            ]
+        )
         seq = Sequence(request_id, ids, params)
         seq.generator = torch.Generator(self.device).manual_seed(
-            params.seed if params.seed is not None else self.rng.getrandbits(63))
+            params.seed if params.seed is not None else self.rng.getrandbits(63)
+        )
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         eos = set() if params.ignore_eos else self.tokenizer.stop_token_ids
         seq.stop_ids = frozenset(params.stop_token_ids) | eos
@@ -164,14 +192,25 @@ class Engine:
             self.num_prompt_tokens += max(0, prompt_end - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)
             seq.num_computed_tokens += n - len(seq.draft)  # a draft's K/V counts once verified
-        outputs = [out for seq, token, logprob, error, drafts in sampled for out in  # then its drafts, verified
-                   [self._append_token(seq, token, logprob) if error is None else self._fail(seq, error),
-                    *verify(self, seq, token, drafts)]]
+        outputs = [
+            out
+            for seq, token, logprob, error, drafts in sampled
+            for out in [  # then its drafts, verified
+                self._append_token(seq, token, logprob) if error is None else self._fail(seq, error),
+                *verify(self, seq, token, drafts),
+            ]
+        ]
         if self.on_step:
             self.on_step(self, out, outputs, time.perf_counter() - began)
         if self.config.trace:
-            self.trace.append([SeqStep(s.request_id, n, s.num_tokens - s.num_prompt_tokens, s.num_tokens,
-                                       s.status is Status.FINISHED) for s, n in out.scheduled])
+            self.trace.append(
+                [
+                    SeqStep(
+                        s.request_id, n, s.num_tokens - s.num_prompt_tokens, s.num_tokens, s.status is Status.FINISHED
+                    )
+                    for s, n in out.scheduled
+                ]
+            )
         if self.config.scheduling == "static":
             # Request-level batching answers a batch all at once: a finished sequence's result waits
             # (its place in the batch idle) until the batch's longest sequence is done.
@@ -194,8 +233,9 @@ class Engine:
             except Exception as e:  # a tokenizer bug fails this request, not its neighbours
                 return self._fail(seq, f"detokenizing failed ({type(e).__name__}: {e})")
             reason = "stop" if seq.detokenizer.stopped else None
-        if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
+        if reason is None and (
+            len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             reason = "length"
         if reason is not None:
             if not seq.detokenizer.stopped:  # release text held back as a possible stop-string start
@@ -213,30 +253,60 @@ class Engine:
         self.scheduler.finish(seq)
         del self.requests[seq.request_id]
 
-    def _output(self, seq: Sequence, delta: str, reason: str | None, logprob: TokenLogprob | None,
-                error: str | None = None, stop_reason: int | str | None = None) -> RequestOutput:
-        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
-                             seq.detokenizer.text, delta, reason is not None, reason, logprob,
-                             seq.num_cached_tokens, seq.queue_time, error, stop_reason)
+    def _output(
+        self,
+        seq: Sequence,
+        delta: str,
+        reason: str | None,
+        logprob: TokenLogprob | None,
+        error: str | None = None,
+        stop_reason: int | str | None = None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id,
+            seq.token_ids[: seq.num_prompt_tokens],
+            seq.output_token_ids,
+            seq.detokenizer.text,
+            delta,
+            reason is not None,
+            reason,
+            logprob,
+            seq.num_cached_tokens,
+            seq.queue_time,
+            error,
+            stop_reason,
+        )
 
 
 class LLM(Engine):
     """Offline use: generate() and chat() run every request to completion, batched as the engine schedules."""
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or isinstance(prompts, list) and prompts and type(prompts[0]) is int:
             prompts = [prompts]
         if not isinstance(prompts, list):
-            raise ValueError(f"prompts: a string, a list of token ids, or a list of those; "
-                             f"got {type(prompts).__name__}")
+            raise ValueError(
+                f"prompts: a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+            )
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)  # None: add_request's defaults
-        require([(len(sampling_params) == len(prompts),
-                  f"{len(prompts)} prompts but {len(sampling_params)} sampling params"),
-                 # Its step loop would take their outputs, which the caller of add_request expects from step().
-                 (not self.has_unfinished(), "generate() runs alone: finish (step) or abort the requests added "
-                                             "with add_request first")])
+        require(
+            [
+                (
+                    len(sampling_params) == len(prompts),
+                    f"{len(prompts)} prompts but {len(sampling_params)} sampling params",
+                ),
+                # Its step loop would take their outputs, which the caller of add_request expects from step().
+                (
+                    not self.has_unfinished(),
+                    "generate() runs alone: finish (step) or abort the requests added with add_request first",
+                ),
+            ]
+        )
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
@@ -250,13 +320,19 @@ class LLM(Engine):
             raise
         return [done[i] for i in ids]
 
-    def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+
         def message(m) -> bool:
             return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        if not isinstance(conversations, list) or not all(isinstance(c, list) and c and all(map(message, c))
-                                                          for c in conversations):
+
+        if not isinstance(conversations, list) or not all(
+            isinstance(c, list) and c and all(map(message, c)) for c in conversations
+        ):
             raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
         return self.generate([self.tokenizer.apply_chat_template(m) for m in conversations], sampling_params)

@@ -4,6 +4,7 @@ the opt-in prefix cache, and swap space on the host.
 A sequence's token at position p lives in block block_table[p // block_size], row p % block_size:
 physical slot = block_id * block_size + p % block_size. Blocks are handed out when a sequence
 first needs them and return to the pool the moment the sequence finishes."""
+
 import hashlib
 import math
 from array import array
@@ -51,8 +52,15 @@ class KVCache:
     each allocation up to a power of two, which would lock up to twice the swap space if every layer's K and V
     were allocated on their own."""
 
-    def __init__(self, kv: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, num_swap_blocks: int = 0):
+    def __init__(
+        self,
+        kv: KVShape,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_swap_blocks: int = 0,
+    ):
         specs = kv.tensors(num_blocks, block_size, dtype)
         self.layers = [tuple(torch.zeros(s, dtype=d, device=device) for s, d in specs) for _ in range(kv.num_layers)]
         self.pinned = torch.device(device).type == "cuda"  # pinned pages make the copies asynchronous DMA
@@ -63,7 +71,7 @@ class KVCache:
             padded = [-(-n // 64) * 64 for n in sizes]
             parts = torch.empty(sum(padded), dtype=torch.uint8, pin_memory=self.pinned).split(padded)
             views = [p[:n].view(d).view(s) for p, n, (s, d) in zip(parts, sizes, host)]
-            self.host = [tuple(views[i:i + len(specs)]) for i in range(0, len(views), len(specs))]
+            self.host = [tuple(views[i : i + len(specs)]) for i in range(0, len(views), len(specs))]
 
     def swap(self, out: list[tuple[int, int]], back: list[tuple[int, int]]) -> None:
         """Copy (device block -> host block) pairs out, then (host block -> device block) pairs in.
@@ -153,7 +161,7 @@ class BlockManager:
             return 0
         bs, h = self.block_size, chain_root(cache_salt)
         for i in range((len(token_ids) - 1) // bs):
-            h = block_key(h, token_ids[i * bs:(i + 1) * bs])
+            h = block_key(h, token_ids[i * bs : (i + 1) * bs])
             block = self.cached.get(h)
             if block is None:
                 break
@@ -163,8 +171,9 @@ class BlockManager:
             block_table.append(block)
         return len(block_table) * bs
 
-    def publish(self, block_table: list[int], token_ids: list[int], start: int, end: int,
-                cache_salt: str | None = None) -> None:
+    def publish(
+        self, block_table: list[int], token_ids: list[int], start: int, end: int, cache_salt: str | None = None
+    ) -> None:
         """Key the blocks that computing prompt tokens start..end-1 has just filled."""
         if not self.enable_prefix_caching:
             return
@@ -174,5 +183,5 @@ class BlockManager:
             parent = self.block_hash[block_table[i - 1]] if i else chain_root(cache_salt)
             if self.block_hash[block] is not None or parent is None:
                 continue  # already keyed (shared), or its prefix is unknown (swapped back in)
-            h = self.block_hash[block] = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            h = self.block_hash[block] = block_key(parent, token_ids[i * bs : (i + 1) * bs])
             self.cached.setdefault(h, block)  # a twin computed by another sequence keeps the entry

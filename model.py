@@ -1,9 +1,10 @@
 """The network: a decoder of the Llama, Qwen3 or Gemma 3 family (a config field per difference) that runs one
 flattened batch of sequences over the paged KV cache."""
+
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +65,11 @@ def tp_split(c: ModelConfig, name: str, rank: int, size: int) -> tuple[int, int,
 def tp_check(c: ModelConfig, size: int) -> None:
     """ValueError unless the model splits evenly into `size` ranks."""
     kv = c.num_key_value_heads
-    for what, n, ok in (("attention heads", c.num_attention_heads, c.num_attention_heads % size == 0),
-                        ("KV heads", kv, kv % size == 0 if size <= kv else size % kv == 0),
-                        ("MLP columns", c.intermediate_size, c.intermediate_size % size == 0)):
+    for what, n, ok in (
+        ("attention heads", c.num_attention_heads, c.num_attention_heads % size == 0),
+        ("KV heads", kv, kv % size == 0 if size <= kv else size % kv == 0),
+        ("MLP columns", c.intermediate_size, c.intermediate_size % size == 0),
+    ):
         if not ok:
             raise ValueError(f"tensor_parallel_size {size} does not split the model's {n} {what} evenly")
 
@@ -75,12 +78,13 @@ def tp_check(c: ModelConfig, size: int) -> None:
 class BatchMeta:
     """Where each flattened token of one step lives. Sequence i owns the next query_lens[i] token rows;
     context_lens[i] counts its computed tokens (K/V in the cache) after this step."""
-    slot_mapping: torch.Tensor     # [num_tokens] int64, physical KV slot per new token, -1 = padding
-    block_tables: torch.Tensor     # [num_seqs, max_blocks] int32, unused entries 0
-    context_lens: torch.Tensor     # [num_seqs] int32
-    sample_rows: torch.Tensor      # [num_sampled] int64, rows whose logits are needed this step
-    max_query_len: int             # 1: every sequence decodes one token (graph-capturable)
-    max_context_len: int           # bounds the decode kernel's scratch
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, physical KV slot per new token, -1 = padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused entries 0
+    context_lens: torch.Tensor  # [num_seqs] int32
+    sample_rows: torch.Tensor  # [num_sampled] int64, rows whose logits are needed this step
+    max_query_len: int  # 1: every sequence decodes one token (graph-capturable)
+    max_context_len: int  # bounds the decode kernel's scratch
     # The host's copies of what attention cuts the batch by, so that no layer waits on the device to read
     # them. Sequences with one query token come first (the decode path takes them together).
     query_lens: list[int]
@@ -126,9 +130,11 @@ class Block(nn.Module):
         self.local, self.window = local, c.sliding_window if local else 0
         self.scale = 1.0 / math.sqrt(c.query_pre_attn_scalar or d)
         self.act = partial(F.gelu, approximate="tanh") if c.gemma else F.silu
+
         # On the meta device the weights cost no memory until the checkpoint's tensors replace them.
         def norm(on: bool, n: int = c.hidden_size) -> nn.Module:
             return nn.RMSNorm(n, c.rms_norm_eps, device="meta") if on else nn.Identity()
+
         self.attn_norm, self.mlp_norm = norm(True), norm(True)
         self.q_norm, self.k_norm = (norm(True, d), norm(True, d)) if c.qk_norm else (None, None)
         self.attn_post_norm, self.mlp_post_norm = norm(c.gemma), norm(c.gemma)
@@ -137,19 +143,26 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * inter, bias=False, device="meta")
         self.down = nn.Linear(inter, c.hidden_size, bias=False, device="meta")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                kv_cache: tuple[torch.Tensor, ...], ops: "Transformer") -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: BatchMeta,
+        kv_cache: tuple[torch.Tensor, ...],
+        ops: "Transformer",
+    ) -> torch.Tensor:
         """kv_cache: this layer's (k_cache, v_cache), or (k_cache, v_cache, k_scale, v_scale) in 8 bits. ops: the
         model, whose store_kv, attention and all_reduce the CPU and tensor-parallel paths replace."""
         n, d, h, kv = x.shape[0], self.head_dim, self.heads, self.kv_heads
         k_cache, v_cache, *scales = kv_cache
         qkv = self.qkv(self.attn_norm(x)).view(n, -1, d)
         # Q and K heads take the same rotation, so they are rotated together in one pass.
-        qk = qkv[:, :h + kv]
+        qk = qkv[:, : h + kv]
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), 1)
         qk = apply_rope(qk, cos, sin)
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv:]
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
         o = ops.attention(q, k_cache, v_cache, meta, self.scale, *scales, window=self.window)
         x = x + self.attn_post_norm(ops.all_reduce(self.o(o.reshape(n, -1))))
@@ -172,13 +185,16 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps, device="meta")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         # [global, local] tables (the local one only with sliding windows) of [max_model_len, head_dim]
-        freqs = torch.stack([torch.outer(torch.arange(max_model_len, device=device).float(),
-                                         rope_inv_freq(config, local).to(device))
-                             for local in (False, True)[:1 + bool(config.sliding_window)]])
+        freqs = torch.stack(
+            [
+                torch.outer(torch.arange(max_model_len, device=device).float(), rope_inv_freq(config, local).to(device))
+                for local in (False, True)[: 1 + bool(config.sliding_window)]
+            ]
+        )
         freqs = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         sin = freqs.sin()
-        sin[..., :config.head_dim // 2] *= -1  # see apply_rope
+        sin[..., : config.head_dim // 2] *= -1  # see apply_rope
         self.register_buffer("rope_sin", sin, persistent=False)
         # Paged attention: our kernel on CUDA, else the pure-PyTorch reference (cpu.py swaps in its own).
         cuda = torch.device(device).type == "cuda"
@@ -186,23 +202,53 @@ class Transformer(nn.Module):
         self.decode = attention_cuda.cuda_paged_attention if cuda else attention_cuda.paged_attention
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
-                  scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  window: int = 0) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: BatchMeta,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
         """Each query token attends to its own sequence's cached keys up to its position (the last `window` of
         them, if set): the decode path when every sequence brings one token, else the reference's varlen form."""
         if meta.max_query_len == 1:
-            return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_context_len,
-                               k_scale, v_scale, window)
-        return attention_cuda.paged_attention_varlen(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                     meta.query_lens, meta.host_context_lens, scale, self.decode,
-                                                     k_scale, v_scale, window)
+            return self.decode(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                scale,
+                meta.max_context_len,
+                k_scale,
+                v_scale,
+                window,
+            )
+        return attention_cuda.paged_attention_varlen(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_lens,
+            meta.host_context_lens,
+            scale,
+            self.decode,
+            k_scale,
+            v_scale,
+            window,
+        )
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take weights in Hugging Face Llama naming (what weights.py yields), fusing QKV and
         gate/up, onto the rope tables' device; Gemma's norms as 1 + w, added in float32. Consumes sd to keep peak
         memory at one copy."""
+
         def put(module: nn.Module, *names: str) -> None:
             t = torch.cat([sd.pop(n) for n in names]) if len(names) > 1 else sd.pop(names[0])
             if self.config.gemma and isinstance(module, nn.RMSNorm):
@@ -229,19 +275,26 @@ class Transformer(nn.Module):
             if self.config.gemma:  # Gemma's post_attention_layernorm follows attention, pre_feedforward the MLP
                 put(layer.attn_post_norm, p + "post_attention_layernorm.weight")
                 put(layer.mlp_post_norm, p + "post_feedforward_layernorm.weight")
-            put(layer.mlp_norm, p + ("pre_feedforward_layernorm.weight" if self.config.gemma
-                                     else "post_attention_layernorm.weight"))
+            put(
+                layer.mlp_norm,
+                p + ("pre_feedforward_layernorm.weight" if self.config.gemma else "post_attention_layernorm.weight"),
+            )
         if sd:
             raise ValueError(f"unexpected weights in checkpoint: {sorted(sd)[:5]}")
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMeta,
-                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: BatchMeta,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+    ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns logits (in the model's dtype) for meta.sample_rows only:
         the LM head is the largest matmul per token and mid-prompt rows never need it."""
         x = self.embed(input_ids)
         if self.config.gemma:  # the scale rounded to the model's dtype first, as in transformers
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos = self.rope_cos[:, positions].to(x.dtype)[:, :, None, :]
         sin = self.rope_sin[:, positions].to(x.dtype)[:, :, None, :]
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -3,6 +3,7 @@ which rows or columns each rank holds). Rank 0, the engine, broadcasts each step
 forward pass on its own heads and MLP columns, and one all-reduce per half-layer adds their partial outputs. One GPU
 per rank with NCCL, or CPU processes with gloo. The engine spawns its workers; under torchrun (several machines) every
 process runs the same command, rank 0 serves, and the others call runner.run_worker."""
+
 from __future__ import annotations
 
 import atexit
@@ -13,8 +14,8 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,17 +45,23 @@ class TensorParallel:
         if launched_by_torchrun():
             rank, local_rank, local_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
             if int(os.environ["WORLD_SIZE"]) != size:
-                raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes for tensor_parallel_size "
-                                 f"{size}: they must be equal")
+                raise ValueError(
+                    f"torchrun started {os.environ['WORLD_SIZE']} processes for tensor_parallel_size "
+                    f"{size}: they must be equal"
+                )
         else:
             local_rank, local_size = rank, size
         backend = "nccl" if device_type == "cuda" else "gloo"
         if not (dist.is_available() and dist.is_backend_available(backend)):
-            raise ValueError(f"tensor parallelism on {device_type} needs torch.distributed's {backend} backend, "
-                             "which this torch build lacks")
+            raise ValueError(
+                f"tensor parallelism on {device_type} needs torch.distributed's {backend} backend, "
+                "which this torch build lacks"
+            )
         if device_type == "cuda" and local_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size} needs {local_size} GPUs on this machine; "
-                             f"{torch.cuda.device_count()} are visible")
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {local_size} GPUs on this machine; "
+                f"{torch.cuda.device_count()} are visible"
+            )
         if dist.is_initialized():
             raise ValueError("one tensor-parallel engine per process: close the other first")
         self.rank, self.size, self.address, self.backend = rank, size, address, backend
@@ -84,15 +91,25 @@ class TensorParallel:
                 s.bind(("127.0.0.1", 0))
                 address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
             target, *args = spawn
-            self.workers = [mp.get_context("spawn").Process(target=target, args=(*args, r, address), daemon=True,
-                                                            name=f"tp-rank{r}") for r in range(1, self.size)]
+            self.workers = [
+                mp.get_context("spawn").Process(
+                    target=target, args=(*args, r, address), daemon=True, name=f"tp-rank{r}"
+                )
+                for r in range(1, self.size)
+            ]
             for w in self.workers:
                 w.start()
             self.watcher = threading.Thread(target=self._watch, daemon=True, name="tp-watch")
             self.watcher.start()
         self.started = True
-        dist.init_process_group(self.backend, init_method=address, rank=self.rank, world_size=self.size,
-                                timeout=STARTUP, device_id=self.device if self.device.type == "cuda" else None)
+        dist.init_process_group(
+            self.backend,
+            init_method=address,
+            rank=self.rank,
+            world_size=self.size,
+            timeout=STARTUP,
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
         self.group = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
         atexit.register(self.close)

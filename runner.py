@@ -1,6 +1,7 @@
 """The model runner: the model and its KV cache on a device. One step: the batch built on the host (StepBatch.build),
 broadcast to the other tensor-parallel ranks, the swaps, the batch moved to the device (to_device), the forward pass
 and sampling (sampler.py)."""
+
 from __future__ import annotations
 
 import os
@@ -25,6 +26,7 @@ from sequence import SamplingParams, Sequence, require
 class StepBatch:
     """One step's tokens as host lists, sequence after sequence (one-token pieces first): what rank 0 broadcasts
     to the other ranks and every rank moves to its device."""
+
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
@@ -53,16 +55,32 @@ class StepBatch:
                 sampled.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
-        return cls(input_ids, positions, slot_mapping, tables, context_lens, sample_rows + draft_rows,
-                   [n for _, n in scheduled], [seq.num_prompt_tokens for seq, _ in scheduled]), sampled
+        return cls(
+            input_ids,
+            positions,
+            slot_mapping,
+            tables,
+            context_lens,
+            sample_rows + draft_rows,
+            [n for _, n in scheduled],
+            [seq.num_prompt_tokens for seq, _ in scheduled],
+        ), sampled
 
     def to_device(self, dev: torch.device, sampling: bool = True) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         """Input ids, positions and metadata on the device."""
         i32, i64 = torch.int32, torch.int64
         rows = self.sample_rows if sampling else []  # only rank 0 samples: no LM head runs on the others
-        meta = BatchMeta(to_device(self.slot_mapping, i64, dev), to_device(self.block_tables, i32, dev),
-                         to_device(self.context_lens, i32, dev), to_device(rows, i64, dev), max(self.query_lens),
-                         max(self.context_lens), self.query_lens, self.context_lens, self.prompt_lens)
+        meta = BatchMeta(
+            to_device(self.slot_mapping, i64, dev),
+            to_device(self.block_tables, i32, dev),
+            to_device(self.context_lens, i32, dev),
+            to_device(rows, i64, dev),
+            max(self.query_lens),
+            max(self.context_lens),
+            self.query_lens,
+            self.context_lens,
+            self.prompt_lens,
+        )
         return to_device(self.input_ids, i64, dev), to_device(self.positions, i64, dev), meta
 
 
@@ -70,15 +88,25 @@ class ModelRunner:
     """The model on its device. With tensor_parallel_size > 1 this is one rank's shard: rank 0 (the engine's
     runner) spawns the others, which run `run_worker`; `rank` and `address` are theirs."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, address: str | None = None,
-                 model_config: ModelConfig | None = None):
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, address: str | None = None, model_config: ModelConfig | None = None
+    ):
         self.config = c = config
         device = torch.device(c.device if c.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
-        require([(not c.quantization or device.type == "cpu", "--quantization int4 runs on CPU only"),
-                 (device.type != "cuda" or (device.index or 0) < torch.cuda.device_count(),
-                  f"device {c.device}: torch sees {torch.cuda.device_count()} CUDA devices here")])
-        self.tp = parallel.TensorParallel(c.tensor_parallel_size, device.type, c.torch_threads, rank, address) \
-            if c.tensor_parallel_size > 1 or parallel.launched_by_torchrun() else None
+        require(
+            [
+                (not c.quantization or device.type == "cpu", "--quantization int4 runs on CPU only"),
+                (
+                    device.type != "cuda" or (device.index or 0) < torch.cuda.device_count(),
+                    f"device {c.device}: torch sees {torch.cuda.device_count()} CUDA devices here",
+                ),
+            ]
+        )
+        self.tp = (
+            parallel.TensorParallel(c.tensor_parallel_size, device.type, c.torch_threads, rank, address)
+            if c.tensor_parallel_size > 1 or parallel.launched_by_torchrun()
+            else None
+        )
         self.rank, tp_size = (self.tp.rank, self.tp.size) if self.tp else (0, 1)
         self.device = self.tp.device if self.tp else device
         default = torch.float32 if self.device.type == "cpu" and not cpu.has_bf16_units() else torch.bfloat16
@@ -123,10 +151,19 @@ class ModelRunner:
             self.model_config, state = weights.load_weights(self.checkpoint_path, self.dtype, self.rank, tp_size)
         mc = self.model_config
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
-        require([(self.max_model_len <= mc.max_position_embeddings, f"max_model_len {self.max_model_len} exceeds the "
-                  f"model's context length {mc.max_position_embeddings}"),
-                 (self.device.type != "cuda" or mc.head_dim in (64, 128, 256 if self.kv_dtype.itemsize < 4 else 128),
-                  f"the CUDA kernel takes head_dim 64 or 128, or 256 with a 16- or 8-bit KV cache: not {mc.head_dim}")])
+        require(
+            [
+                (
+                    self.max_model_len <= mc.max_position_embeddings,
+                    f"max_model_len {self.max_model_len} exceeds the "
+                    f"model's context length {mc.max_position_embeddings}",
+                ),
+                (
+                    self.device.type != "cuda" or mc.head_dim in (64, 128, 256 if self.kv_dtype.itemsize < 4 else 128),
+                    f"the CUDA kernel takes head_dim 64 or 128, or 256 with a 16- or 8-bit KV cache: not {mc.head_dim}",
+                ),
+            ]
+        )
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         self.model.load_hf_state_dict(state)
         if self.device.type == "cpu":
@@ -149,17 +186,25 @@ class ModelRunner:
         if self.tp:  # one block table serves every rank: each gets the pool the tightest one has room for
             self.num_kv_blocks = self.tp.smallest(self.num_kv_blocks)
         if self.num_kv_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (one block is {per_block} bytes): raise "
-                             "--kv-cache-memory or --gpu-memory-utilization, or set --num-kv-blocks")
+            raise ValueError(
+                f"no memory left for the KV cache (one block is {per_block} bytes): raise "
+                "--kv-cache-memory or --gpu-memory-utilization, or set --num-kv-blocks"
+            )
         self.num_swap_blocks = int(c.swap_space * 2**30) // per_block if c.preemption_mode == "swap" else 0
         try:
-            self.kv_cache = KVCache(kv, self.num_kv_blocks, c.block_size, self.kv_dtype, self.device,
-                                    self.num_swap_blocks)
+            self.kv_cache = KVCache(
+                kv, self.num_kv_blocks, c.block_size, self.kv_dtype, self.device, self.num_swap_blocks
+            )
         except (RuntimeError, MemoryError) as e:  # the allocator's message names no knob
-            raise ValueError(f"cannot allocate {self.num_kv_blocks} KV blocks and {self.num_swap_blocks} swap blocks "
-                             f"of {per_block} bytes (--num-kv-blocks, --kv-cache-memory, --swap-space): "
-                             f"{str(e).splitlines()[0][:200]}") from None
-        self.graphs = DecodeGraphs(self) if self.device.type == "cuda" and not c.enforce_eager else None
+            raise ValueError(
+                f"cannot allocate {self.num_kv_blocks} KV blocks and {self.num_swap_blocks} swap blocks "
+                f"of {per_block} bytes (--num-kv-blocks, --kv-cache-memory, --swap-space): "
+                f"{str(e).splitlines()[0][:200]}"
+            ) from None
+        self.graphs = None
+        if self.device.type == "cuda" and not c.enforce_eager:
+            args = (self.kv_cache.layers, self.device, c.max_num_seqs, self.max_model_len, c.block_size)
+            self.graphs = DecodeGraphs(self.model, *args)
         if self.graphs and self.tp:  # they hold the NCCL communicator: gone before it is destroyed
             self.tp.on_close.append(self.graphs.graphs.clear)
 
@@ -175,6 +220,7 @@ class ModelRunner:
         def seq(n: int) -> tuple[Sequence, int]:
             s = Sequence("profile", ids, SamplingParams(), block_table=table, num_computed_tokens=length - n)
             return s, n
+
         chunks = sorted({min(c.max_num_batched_tokens, n) for n in (length, length - 1)}, reverse=True)
         return [[seq(n)] for n in chunks] + [[seq(1) for _ in range(c.max_num_seqs)]]
 
@@ -195,8 +241,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def run(self, scheduled: list[tuple[Sequence, int]], swap_out: list[tuple[int, int]] = (),
-            swap_in: list[tuple[int, int]] = ()) -> list[tuple[Sequence, int, TokenLogprob | None, str | None, Any]]:
+    def run(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        swap_out: list[tuple[int, int]] = (),
+        swap_in: list[tuple[int, int]] = (),
+    ) -> list[tuple[Sequence, int, TokenLogprob | None, str | None, Any]]:
         """One step: build the batch, broadcast it to the other ranks, forward it, sample: each sampled sequence's
         next token or why sampling failed, and its drafts' logits. Failing is fatal under tensor parallelism
         (WorkerFailure)."""
@@ -212,8 +262,9 @@ class ModelRunner:
         n, drafts = len(sampled), [len(s.draft) for s in sampled]  # the drafts' rows come after every sequence's first
         return list(zip(sampled, *sample(logits[:n], sampled), logits[n:].split(drafts))) if batch else []
 
-    def forward(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                batch: StepBatch | None) -> torch.Tensor | None:
+    def forward(
+        self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], batch: StepBatch | None
+    ) -> torch.Tensor | None:
         """Every rank's part of a step: the swaps, then the batch to the device and through the model, writing the
         scheduled sequences' new K/V; the sampled rows' logits (none off rank 0)."""
         self.kv_cache.swap(swap_out, swap_in)
@@ -226,8 +277,9 @@ class ModelRunner:
         return self.model(ids, pos, meta, self.kv_cache.layers)
 
 
-def run_worker(config: EngineConfig, model_config: ModelConfig | None = None, rank: int = 0,
-               address: str | None = None) -> None:
+def run_worker(
+    config: EngineConfig, model_config: ModelConfig | None = None, rank: int = 0, address: str | None = None
+) -> None:
     """A tensor-parallel rank other than 0: load its part, then run each step rank 0 broadcasts until it says stop
     (None) or goes away. A failure ends the worker with one line (rank 0 tells its users), or none if rank 0 is gone."""
     try:

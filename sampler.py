@@ -1,4 +1,5 @@
 """The sampler: the sampled rows' logits in, each sequence's next token (and logprobs) out, every row on its own."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     errors: list[str | None] = [None] * len(seqs)
     for i, seq in enumerate(seqs):
         p = seq.params
-        processed = bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
-                         or seq.num_tokens - seq.num_prompt_tokens < p.min_tokens)
+        processed = bool(
+            p.presence_penalty
+            or p.frequency_penalty
+            or p.repetition_penalty != 1
+            or p.logit_bias
+            or seq.num_tokens - seq.num_prompt_tokens < p.min_tokens
+        )
         if not (p.temperature or p.logprobs is not None or processed):
             continue
         try:
@@ -44,20 +50,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
                 # From the model's own distribution, before penalties, bias and temperature, as vLLM's default.
                 lp = raw.log_softmax(-1)
                 top = lp.topk(p.logprobs)
-                logprobs[i] = lp.gather(0, tokens[i:i + 1]), top.indices, top.values
+                logprobs[i] = lp.gather(0, tokens[i : i + 1]), top.indices, top.values
         except Exception as e:
             errors[i] = f"sampling failed ({type(e).__name__}: {e})"
             logprobs.pop(i, None)
     # One transfer: token ids (exact in float64), NaN flags and every logprob in one tensor: n ids, n flags,
     # then per sequence with logprobs its token's logprob, its k top ids and their k logprobs.
     n = len(seqs)
-    flat = torch.cat([t.double() for t in (tokens, best.values.isnan(),
-                                           *(t for row in logprobs.values() for t in row))]).tolist()
+    flat = torch.cat(
+        [t.double() for t in (tokens, best.values.isnan(), *(t for row in logprobs.values() for t in row))]
+    ).tolist()
     ids, at = [int(t) for t in flat[:n]], 2 * n
     out: list[TokenLogprob | None] = [None] * n
     for i in logprobs:
         k = seqs[i].params.logprobs
-        top = list(zip(map(int, flat[at + 1:at + 1 + k]), flat[at + 1 + k:at + 1 + 2 * k]))
+        top = list(zip(map(int, flat[at + 1 : at + 1 + k]), flat[at + 1 + k : at + 1 + 2 * k]))
         out[i], at = TokenLogprob(ids[i], flat[at], top), at + 1 + 2 * k
     errors = [e or ("the model's logits are NaN" if flat[n + i] else None) for i, e in enumerate(errors)]
     return ids, out, errors

@@ -1,4 +1,5 @@
 """Who runs this step: sequences, their states, and iteration-level admission under a token budget."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -13,9 +14,9 @@ from speculation import draft_share, propose
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]]  # sequences and how many new tokens each computes
-    swap_out: list[tuple[int, int]]        # (device block, host block) copies to make first
-    swap_in: list[tuple[int, int]]         # (host block, device block)
-    preempted: list[Sequence] = field(default_factory=list)   # their status says how: WAITING or SWAPPED
+    swap_out: list[tuple[int, int]]  # (device block, host block) copies to make first
+    swap_in: list[tuple[int, int]]  # (host block, device block)
+    preempted: list[Sequence] = field(default_factory=list)  # their status says how: WAITING or SWAPPED
     swapped_in: list[Sequence] = field(default_factory=list)
 
 
@@ -35,7 +36,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         # Preemptions, prompt tokens looked up in the prefix cache, and those served from it.
         self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
-        self.budget = 0          # tokens this step may still compute, reset by schedule()
+        self.budget = 0  # tokens this step may still compute, reset by schedule()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,9 +72,14 @@ class Scheduler:
             self.swap_space.free(seq.swap_table)
         # No admissions in a step that had to preempt: the pool is full, and a sequence admitted now
         # would only be preempted again next step.
-        while (self.config.scheduling == "continuous" and not self.swapped and self.waiting
-               and preemptions == self.num_preemptions
-               and self.budget and len(self.running) < self.config.max_num_seqs):
+        while (
+            self.config.scheduling == "continuous"
+            and not self.swapped
+            and self.waiting
+            and preemptions == self.num_preemptions
+            and self.budget
+            and len(self.running) < self.config.max_num_seqs
+        ):
             if not self._admit(self.waiting[0], out):
                 break
             self.waiting.popleft()
@@ -82,7 +88,9 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Start a waiting sequence: share what the prefix cache holds, then compute the first piece of
         the rest. False (and nothing held) if it does not fit."""
-        cached = self.blocks.match_prefix(seq.block_table, seq.token_ids[:seq.num_prompt_tokens], seq.params.cache_salt)
+        cached = self.blocks.match_prefix(
+            seq.block_table, seq.token_ids[: seq.num_prompt_tokens], seq.params.cache_salt
+        )
         n = self._cut(seq, cached)
         if n == 0 or not self.blocks.can_allocate(seq.block_table, cached + n):
             self.blocks.free(seq.block_table)
@@ -114,8 +122,13 @@ class Scheduler:
         longer than the budget, and it is chunked. Cuts can fall anywhere: no token's result depends
         on where its prompt was cut (ARCHITECTURE.md, "Lanes never mix")."""
         n, c = seq.num_tokens - computed, self.config
-        return n if n <= self.budget else \
-            0 if not c.enable_chunked_prefill and n <= c.max_num_batched_tokens else self.budget
+        return (
+            n
+            if n <= self.budget
+            else 0
+            if not c.enable_chunked_prefill and n <= c.max_num_batched_tokens
+            else self.budget
+        )
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Run n more of seq's tokens this step, in blocks the caller checked are free."""
@@ -162,8 +175,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence (finished or aborted): its place in the batch and its KV blocks are free at once."""
-        {Status.RUNNING: self.running, Status.WAITING: self.waiting,
-         Status.SWAPPED: self.swapped}.get(seq.status, []).remove(seq)
+        {Status.RUNNING: self.running, Status.WAITING: self.waiting, Status.SWAPPED: self.swapped}.get(
+            seq.status, []
+        ).remove(seq)
         self.blocks.free(seq.block_table)
         self.swap_space.free(seq.swap_table)
         seq.status = Status.FINISHED

@@ -1,4 +1,5 @@
 """A sequence (a lane): one stream of tokens the engine runs, with its sampling parameters and state."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,25 +17,27 @@ def require(checks: list[tuple[bool, str]]) -> None:
 
 def typed(name: str, value: Any, kind: type, none_ok: bool = False) -> tuple[bool, str]:
     """A check for require: value is a kind (an int does for a float, a bool for neither), or None if allowed."""
-    return (type(value) is kind or kind is float and type(value) is int or none_ok and value is None,
-            f"{name} must be {kind.__name__}, got {value!r}")
+    return (
+        type(value) is kind or kind is float and type(value) is int or none_ok and value is None,
+        f"{name} must be {kind.__name__}, got {value!r}",
+    )
 
 
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0            # 0 (or -1) = off
+    top_k: int = 0  # 0 (or -1) = off
     min_p: float = 0.0
     max_tokens: int = 16
     seed: int | None = None
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    presence_penalty: float = 0.0   # OpenAI's: subtracted once from every token already generated
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # ... and this times how often it was generated
-    logprobs: int | None = None     # None: off; k: the chosen token's logprob and the top k
-    min_tokens: int = 0             # stop tokens are banned, stop strings ignored, until this many are out
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
+    min_tokens: int = 0  # stop tokens are banned, stop strings ignored, until this many are out
     repetition_penalty: float = 1.0  # vLLM's: a seen token's logit divided by it if positive, else multiplied
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     skip_special_tokens: bool = True  # control tokens (<|im_start|>) give no text
@@ -45,32 +48,52 @@ class SamplingParams:
             self.stop = [self.stop]
         numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         integers = ("top_k", "max_tokens", "min_tokens", "seed", "logprobs")  # the last two may be None
-        require([*(typed(n, getattr(self, n), float) for n in numbers),
-                 *(typed(n, getattr(self, n), int, n in ("seed", "logprobs")) for n in integers),
-                 *(typed(n, getattr(self, n), bool) for n in ("ignore_eos", "skip_special_tokens")),
-                 (self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt,
-                  "cache_salt must be a non-empty string"),
-                 (isinstance(self.stop, list) and all(isinstance(x, str) for x in self.stop),
-                  "stop must be a string or a list of strings"),
-                 (isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids),
-                  "stop_token_ids must be a list of token ids"),
-                 (isinstance(self.logit_bias, dict) and all(
-                     (type(t) is int or isinstance(t, str) and t.isascii() and t.isdecimal())
-                     and type(b) in (int, float) for t, b in self.logit_bias.items()),
-                  "logit_bias must map token ids to numbers")])
+        require(
+            [
+                *(typed(n, getattr(self, n), float) for n in numbers),
+                *(typed(n, getattr(self, n), int, n in ("seed", "logprobs")) for n in integers),
+                *(typed(n, getattr(self, n), bool) for n in ("ignore_eos", "skip_special_tokens")),
+                (
+                    self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt,
+                    "cache_salt must be a non-empty string",
+                ),
+                (
+                    isinstance(self.stop, list) and all(isinstance(x, str) for x in self.stop),
+                    "stop must be a string or a list of strings",
+                ),
+                (
+                    isinstance(self.stop_token_ids, list) and all(type(t) is int for t in self.stop_token_ids),
+                    "stop_token_ids must be a list of token ids",
+                ),
+                (
+                    isinstance(self.logit_bias, dict)
+                    and all(
+                        (type(t) is int or isinstance(t, str) and t.isascii() and t.isdecimal())
+                        and type(b) in (int, float)
+                        for t, b in self.logit_bias.items()
+                    ),
+                    "logit_bias must map token ids to numbers",
+                ),
+            ]
+        )
         self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
-        require([(0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}"),
-                 (all(self.stop), "stop cannot contain an empty string"),
-                 (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
-                 (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                 (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
-                 (0 <= self.min_p <= 1, "min_p must be in [0, 1]"), (self.max_tokens >= 1, "max_tokens must be >= 1"),
-                 (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-                 (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-                 (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-                 (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-                 (0 < self.repetition_penalty < float("inf"), "repetition_penalty must be > 0 and finite"),
-                 (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]")])
+        require(
+            [
+                (0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}"),
+                (all(self.stop), "stop cannot contain an empty string"),
+                (self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2**64)"),
+                (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+                (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (or -1 for off)"),
+                (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+                (self.max_tokens >= 1, "max_tokens must be >= 1"),
+                (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+                (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+                (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+                (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+                (0 < self.repetition_penalty < float("inf"), "repetition_penalty must be > 0 and finite"),
+                (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+            ]
+        )
         if 0 < self.temperature < 0.01:  # as vLLM: logits divided by less can overflow float32
             self.temperature = 0.01
 
@@ -89,6 +112,7 @@ _arrivals = itertools.count()
 class Sequence:
     """token_ids holds prompt then generated tokens; the first num_computed_tokens of them have their
     K/V in the cache (blocks in block_table)."""
+
     request_id: str
     token_ids: list[int]
     params: SamplingParams
@@ -102,7 +126,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: its own stop_token_ids, and EOS unless ignored
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival_time to its first step
-    generator: Any = None    # the sequence's own torch.Generator, so its samples ignore its neighbours
+    generator: Any = None  # the sequence's own torch.Generator, so its samples ignore its neighbours
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
     draft: list[int] = field(default_factory=list)  # this step's draft tokens, after token_ids (speculation.py)
     ngrams: Any = None  # speculation.NgramIndex
@@ -116,7 +140,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_prefilling(self) -> bool:

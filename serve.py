@@ -1,6 +1,7 @@
 """The OpenAI-compatible server: its routes, the server that puts together the HTTP front (http11.py) and the
 engine's thread (engine_loop.py), and the command line. What the API's fields mean and how replies are shaped
 is openai_api.py's."""
+
 from __future__ import annotations
 
 import errno
@@ -15,30 +16,37 @@ import threading
 import time
 import uuid
 
-import metrics
-import openai_api
+import server
 from cli import ArgumentParser
 from config import EngineConfig, add_cli_args, from_cli_args
 from engine import Engine, RequestOutput
-from engine_loop import EngineLoop, Submit
-from http11 import HTTPServer, RequestHandler
-from openai_api import ApiError
 from parallel import launched_by_torchrun
 from runner import run_worker
 from sequence import require
+from server import metrics, openai_api
+from server.engine_loop import EngineLoop, Submit
+from server.errors import ApiError
+from server.http11 import HTTPServer, RequestHandler
 
-# The live page at /: beside this file in a checkout, under <prefix>/share/laneserve once pip-installed.
-PAGES = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html"),
-         os.path.join(sys.prefix, "share", "laneserve", "page.html"))
+# The live page at /: package data of `server`, in a checkout and once pip-installed alike.
+PAGE = os.path.join(os.path.dirname(os.path.abspath(server.__file__)), "page.html")
 
 
 class Server(EngineLoop):
     """The engine loop behind HTTP: each connection on its own thread, its requests answered by Handler."""
 
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 max_queue: int = 1024, served_model_name: str | list[str] | None = None,
-                 request_timeout: float | None = None, log_requests: bool = True,
-                 allowed_origins: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
+        max_queue: int = 1024,
+        served_model_name: str | list[str] | None = None,
+        request_timeout: float | None = None,
+        log_requests: bool = True,
+        allowed_origins: tuple[str, ...] = (),
+    ):
         super().__init__(config, max_queue, served_model_name)
         self.host, self.port, self.api_key = host, port, api_key
         self.request_timeout = request_timeout  # seconds from submission; the request then ends, its KV freed
@@ -71,7 +79,6 @@ class Server(EngineLoop):
         with self._httpd.handling_changed:
             self._httpd.handling_changed.wait_for(lambda: not self._httpd.handling, timeout=5)
 
-
     def _accept_backlog(self) -> None:
         """Connections the kernel took before the listener closes each get a thread, so an answer (a 503 once the
         engine has stopped) rather than a reset."""
@@ -93,26 +100,38 @@ def _version() -> str:
 
 class Handler(RequestHandler):
     """The routes."""
+
     app: Server
 
     def route(self, method: str, path: str, body: bytes) -> None:
-        if path.startswith("/v1/") and self.app.api_key and not hmac.compare_digest(
-                self.headers.get("Authorization", "").encode("latin-1"), f"Bearer {self.app.api_key}".encode()):
+        if (
+            path.startswith("/v1/")
+            and self.app.api_key
+            and not hmac.compare_digest(
+                self.headers.get("Authorization", "").encode("latin-1"), f"Bearer {self.app.api_key}".encode()
+            )
+        ):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        routes = {("GET", "/"): self._page, ("GET", "/v1/engine/steps"): self._steps,
-                  ("GET", "/health"): self._health, ("GET", "/metrics"): self._metrics,
-                  ("GET", "/version"): lambda: self._send(200, {"version": _version()}),
-                  ("GET", "/openapi.json"): lambda: self._send(200, openai_api.openapi(_version())),
-                  ("POST", "/tokenize"): lambda: self._tokenize(body),
-                  ("POST", "/detokenize"): lambda: self._detokenize(body), ("GET", "/v1/models"): self._models,
-                  ("POST", "/v1/chat/completions"): lambda: self._generate(body, chat=True),
-                  ("POST", "/v1/completions"): lambda: self._generate(body, chat=False)}
+        routes = {
+            ("GET", "/"): self._page,
+            ("GET", "/v1/engine/steps"): self._steps,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/version"): lambda: self._send(200, {"version": _version()}),
+            ("GET", "/openapi.json"): lambda: self._send(200, openai_api.openapi(_version())),
+            ("POST", "/tokenize"): lambda: self._tokenize(body),
+            ("POST", "/detokenize"): lambda: self._detokenize(body),
+            ("GET", "/v1/models"): self._models,
+            ("POST", "/v1/chat/completions"): lambda: self._generate(body, chat=True),
+            ("POST", "/v1/completions"): lambda: self._generate(body, chat=False),
+        }
         if (route := routes.get((method, path))) is None:
             if allowed := [m for m, p in routes if p == path]:
                 raise ApiError(405, f"{self.command} is not allowed on {path}, only {allowed[0]}")
             # Most often an OpenAI client's base_url without its /v1 (or /v1 where vLLM has none, as /health).
-            if near := next((p for m, p in routes if m == method and p in ("/v1" + path, path.removeprefix("/v1"))),
-                            None):
+            if near := next(
+                (p for m, p in routes if m == method and p in ("/v1" + path, path.removeprefix("/v1"))), None
+            ):
                 base = f" (an OpenAI client's base_url ends in /v1: {self.app.url}/v1)" if near[:4] == "/v1/" else ""
                 raise ApiError(404, f"Invalid URL ({method} {path}): did you mean {near}?{base}")
             raise ApiError(404, f"Invalid URL ({method} {path})")
@@ -125,9 +144,9 @@ class Handler(RequestHandler):
         return engine
 
     def _page(self) -> None:
-        if (path := next((p for p in PAGES if os.path.isfile(p)), None)) is None:
-            raise ApiError(404, f"page.html is not installed (looked for {' and '.join(PAGES)})")
-        with open(path, encoding="utf-8") as f:
+        if not os.path.isfile(PAGE):
+            raise ApiError(404, f"page.html is not installed (looked for {PAGE})")
+        with open(PAGE, encoding="utf-8") as f:
             self._send(200, f.read(), "text/html; charset=utf-8")
 
     def _steps(self) -> None:
@@ -158,15 +177,36 @@ class Handler(RequestHandler):
 
     def _models(self) -> None:
         max_model_len, created = self._engine().max_model_len, int(time.time())
-        self._send(200, {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                                      "owned_by": "laneserve", "max_model_len": max_model_len}
-                                                     for name in self.app.model_names]})
+        self._send(
+            200,
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "laneserve",
+                        "max_model_len": max_model_len,
+                    }
+                    for name in self.app.model_names
+                ],
+            },
+        )
 
     def _metrics(self) -> None:
         app = self.app
-        text = metrics.prometheus_text(app.model_names[0] if app.model_names else app.config.model, app.stats,
-                                       not app.dead, app.ttft, app.itl, app.queue_time, app.e2e,
-                                       app.config.block_size, app.config.kv_cache_dtype)
+        text = metrics.prometheus_text(
+            app.model_names[0] if app.model_names else app.config.model,
+            app.stats,
+            not app.dead,
+            app.ttft,
+            app.itl,
+            app.queue_time,
+            app.e2e,
+            app.config.block_size,
+            app.config.kv_cache_dtype,
+        )
         self._send(200, text, metrics.CONTENT_TYPE)
 
     def _tokenize(self, raw: bytes) -> None:
@@ -212,17 +252,27 @@ class Handler(RequestHandler):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         engine, body = self._engine(), openai_api.parse_body(raw, route)
         n, stream, echo, usage_chunk = openai_api.reply_options(body, self.app.model_names)
-        sent, prompts = (([None], [openai_api.chat_prompt(body, engine)]) if chat
-                         else openai_api.completion_prompts(body, engine))
+        sent, prompts = (
+            ([None], [openai_api.chat_prompt(body, engine)]) if chat else openai_api.completion_prompts(body, engine)
+        )
         echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in sent]
-        job = Submit([(uuid.uuid4().hex, ids, openai_api.sampling_params(body, chat, len(ids), engine, i))
-                      for ids in prompts for i in range(n)], queue.Queue())
+        job = Submit(
+            [
+                (uuid.uuid4().hex, ids, openai_api.sampling_params(body, chat, len(ids), engine, i))
+                for ids in prompts
+                for i in range(n)
+            ],
+            queue.Queue(),
+        )
         index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}
         outputs: list[list[RequestOutput]] = [[] for _ in index]
         offsets = [0] * len(index)  # where each choice's next token's text starts (completions' text_offset)
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-                "model": self.app.model_names[0],
-                "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"}
+        head = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "created": int(time.time()),
+            "model": self.app.model_names[0],
+            "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
+        }
 
         def chunk(choices: list[dict]) -> dict:
             return {**head, "choices": choices, **({"usage": None} if usage_chunk else {})}
@@ -242,8 +292,19 @@ class Handler(RequestHandler):
                 if not any(outputs):
                     self.log_info["ttft"] = time.monotonic() - job.submitted
                 if stream and chat and not before:  # OpenAI opens each choice with its role
-                    self._event(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None, "stop_reason": None}]))
+                    self._event(
+                        chunk(
+                            [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                    "stop_reason": None,
+                                }
+                            ]
+                        )
+                    )
                 if stream and echo and not before:
                     self._event(chunk([openai_api.choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
@@ -254,16 +315,35 @@ class Handler(RequestHandler):
                 before.append(out)
             prompt, completion = sum(map(len, prompts)), sum(len(o[-1].token_ids) for o in outputs)
             cached = sum(o[-1].num_cached_tokens for o in outputs[::n])  # the first choice of each prompt
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                     "prompt_tokens_details": {"cached_tokens": cached}}
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
             self.log_info.update(prompt=prompt, output=completion)
             if usage_chunk:
                 self._event({**head, "choices": [], "usage": usage})
             elif not stream:
-                self._send(200, {**head, "usage": usage, "choices": [
-                    openai_api.choice(engine, chat, False, i, echoed[i // n] + o[-1].text,
-                            [x.logprob for x in o if x.logprob is not None], o[-1])
-                    for i, o in enumerate(outputs)]})
+                self._send(
+                    200,
+                    {
+                        **head,
+                        "usage": usage,
+                        "choices": [
+                            openai_api.choice(
+                                engine,
+                                chat,
+                                False,
+                                i,
+                                echoed[i // n] + o[-1].text,
+                                [x.logprob for x in o if x.logprob is not None],
+                                o[-1],
+                            )
+                            for i, o in enumerate(outputs)
+                        ],
+                    },
+                )
         except ApiError as e:
             if not streaming:
                 raise
@@ -278,23 +358,46 @@ class Handler(RequestHandler):
 
 
 def _parser() -> ArgumentParser:
-    p = ArgumentParser(prog="serve.py", description="OpenAI-compatible server: POST /v1/chat/completions, "
-                       "/v1/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics (Prometheus), "
-                       "/version, /openapi.json, and / (a live page of the engine's steps).")
+    p = ArgumentParser(
+        prog="serve.py",
+        description="OpenAI-compatible server: POST /v1/chat/completions, "
+        "/v1/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics (Prometheus), "
+        "/version, /openapi.json, and / (a live page of the engine's steps).",
+    )
     a = p.add_argument
-    a("--host", default="127.0.0.1",
-      help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface, :: or ::1 for IPv6)")
+    a(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface, :: or ::1 for IPv6)",
+    )
     a("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    a("--api-key", default=os.environ.get("LANESERVE_API_KEY"),
-      help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)")
+    a(
+        "--api-key",
+        default=os.environ.get("LANESERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)",
+    )
     a("--max-queue", type=int, default=1024, help="requests waiting beyond this get 429 (default 1024)")
-    a("--request-timeout", type=float, help="seconds a request may take before it ends with an error and its "
-      "KV is freed (default: no limit)")
-    a("--served-model-name", nargs="+", metavar="NAME", help="the model's names in the API, the first in replies "
-      "(default: --model, the preset's Hugging Face id, and the checkpoint's file name)")
+    a(
+        "--request-timeout",
+        type=float,
+        help="seconds a request may take before it ends with an error and its KV is freed (default: no limit)",
+    )
+    a(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the model's names in the API, the first in replies "
+        "(default: --model, the preset's Hugging Face id, and the checkpoint's file name)",
+    )
     a("--disable-log-requests", action="store_true", help="no access-log line per request on stderr")
-    a("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="web pages whose scripts may call the "
-      "server (CORS), as scheme://host:port, or * for any (default none; vLLM's is *)")
+    a(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="web pages whose scripts may call the "
+        "server (CORS), as scheme://host:port, or * for any (default none; vLLM's is *)",
+    )
     add_cli_args(p)
     return p
 
@@ -304,12 +407,19 @@ def sampling_note(engine: Engine, config: EngineConfig) -> str:
     head = "requests that leave sampling fields out get"
     if engine.sampling_source:
         given = ", ".join(f"{k} {v}" for k, v in engine.sampling_defaults.items())
-        source = ("the checkpoint's generation_config.json" if engine.sampling_source == "generation_config.json"
-                  else f"the model card's advice for {config.model} (weights.CARD_SAMPLING), as the checkpoint has "
-                       "no generation_config.json")
+        source = (
+            "the checkpoint's generation_config.json"
+            if engine.sampling_source == "generation_config.json"
+            else f"the model card's advice for {config.model} (weights.CARD_SAMPLING), as the checkpoint has "
+            "no generation_config.json"
+        )
         return f"{head} {given}: {source}; --generation-config vllm for OpenAI's defaults instead"
-    why = ("--generation-config vllm" if config.generation_config == "vllm" else "the checkpoint has no "
-           "generation_config.json, and a model card's advice applies only to a preset's real weights named by --model")
+    why = (
+        "--generation-config vllm"
+        if config.generation_config == "vllm"
+        else "the checkpoint has no "
+        "generation_config.json, and a model card's advice applies only to a preset's real weights named by --model"
+    )
     return f"{head} OpenAI's defaults (temperature 1, top_p 1): {why}"
 
 
@@ -318,21 +428,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = from_cli_args(args)
-        require([(0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
-                 (args.max_queue >= 1, "--max-queue must be >= 1"),
-                 (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
-                 (all(args.served_model_name or ["-"]), "--served-model-name must not be empty"),
-                 (all(o in ("*", "null") or re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", o)
-                      for o in args.allowed_origins),
-                  "--allowed-origins takes scheme://host[:port] (no path), null or *")])
+        require(
+            [
+                (0 <= args.port <= 65535, f"--port must be in [0, 65535], got {args.port}"),
+                (args.max_queue >= 1, "--max-queue must be >= 1"),
+                (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
+                (all(args.served_model_name or ["-"]), "--served-model-name must not be empty"),
+                (
+                    all(
+                        o in ("*", "null") or re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", o)
+                        for o in args.allowed_origins
+                    ),
+                    "--allowed-origins takes scheme://host[:port] (no path), null or *",
+                ),
+            ]
+        )
     except ValueError as e:
         parser.error(str(e))
     if launched_by_torchrun() and os.environ["RANK"] != "0":  # a worker of a multi-node model: rank 0 serves
         run_worker(config)
         return 0
-    server = Server(config, args.host, args.port, args.api_key, args.max_queue,
-                    served_model_name=args.served_model_name, request_timeout=args.request_timeout,
-                    log_requests=not args.disable_log_requests, allowed_origins=tuple(args.allowed_origins))
+    server = Server(
+        config,
+        args.host,
+        args.port,
+        args.api_key,
+        args.max_queue,
+        served_model_name=args.served_model_name,
+        request_timeout=args.request_timeout,
+        log_requests=not args.disable_log_requests,
+        allowed_origins=tuple(args.allowed_origins),
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -341,11 +467,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
     except OSError as e:
-        hint = {errno.EADDRINUSE: f"; another process has it: --port {args.port + 1}, or --port 0 for any free port",
-                errno.EACCES: "; ports below 1024 need privileges: --port 8000, or --port 0 for any free port",
-                errno.EADDRNOTAVAIL: "; --host takes an address of this machine, such as 127.0.0.1 or 0.0.0.0"}
-        print(f"serve.py: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}"
-              f"{hint.get(e.errno, '')}", file=sys.stderr)
+        hint = {
+            errno.EADDRINUSE: f"; another process has it: --port {args.port + 1}, or --port 0 for any free port",
+            errno.EACCES: "; ports below 1024 need privileges: --port 8000, or --port 0 for any free port",
+            errno.EADDRNOTAVAIL: "; --host takes an address of this machine, such as 127.0.0.1 or 0.0.0.0",
+        }
+        print(
+            f"serve.py: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint.get(e.errno, '')}",
+            file=sys.stderr,
+        )
         return 1
     try:
         while not stop.is_set() and not server.wait_ready(0.5):
@@ -356,13 +486,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not stop.is_set():
         e, bm = server.engine, server.engine.block_manager
-        kv_tokens, dtype = bm.num_blocks * bm.block_size, str(e.dtype).removeprefix('torch.')
+        kv_tokens, dtype = bm.num_blocks * bm.block_size, str(e.dtype).removeprefix("torch.")
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         whole = bm.num_blocks // -(-e.max_model_len // bm.block_size)  # requests of max_model_len tokens it holds
-        print(f"laneserve: {server.model_names[0]} on {e.device} {dtype}, KV {bm.num_blocks} blocks = {kv_tokens} "
-              f"tokens ({kv_dtype}): room for {whole} request{'s' * (whole != 1)} of the full "
-              f"{e.max_model_len}-token context, more of shorter ones (at most {config.max_num_seqs} run at once); "
-              f"ready in {time.monotonic() - began:.1f}s, serving {server.url}", file=sys.stderr)
+        print(
+            f"laneserve: {server.model_names[0]} on {e.device} {dtype}, KV {bm.num_blocks} blocks = {kv_tokens} "
+            f"tokens ({kv_dtype}): room for {whole} request{'s' * (whole != 1)} of the full "
+            f"{e.max_model_len}-token context, more of shorter ones (at most {config.max_num_seqs} run at once); "
+            f"ready in {time.monotonic() - began:.1f}s, serving {server.url}",
+            file=sys.stderr,
+        )
         print(f"laneserve: {sampling_note(e, config)}", file=sys.stderr)
         # With a timeout: a signal the kernel hands to another thread only wakes the main thread's wait here.
         while not stop.wait(0.5):

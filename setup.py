@@ -4,8 +4,9 @@ import os
 from setuptools import setup
 
 # Every top-level module but the tests: a new file is packaged without a list to keep in step.
-MODULES = sorted(f[:-3] for f in glob.glob("*.py")
-                 if not f.startswith("test_") and f not in ("setup.py", "conftest.py"))
+MODULES = sorted(
+    f[:-3] for f in glob.glob("*.py") if not f.startswith("test_") and f not in ("setup.py", "conftest.py")
+)
 
 
 def cuda_build() -> dict:
@@ -33,9 +34,8 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     py_modules=MODULES,
-    packages=["attention_cuda", "cpu_matmul"],
-    package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"], "cpu_matmul": ["*.cpp"]},
-    data_files=[("share/laneserve", ["page.html"])],  # serve.py looks there when it is not beside it
+    packages=["attention_cuda", "cpu_matmul", "server", "benchmarks"],
+    package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"], "cpu_matmul": ["*.cpp"], "server": ["page.html"]},
     install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2", "tokenizers"],
     extras_require={"test": ["pytest", "transformers", "accelerate", "openai", "hypothesis", "selenium"]},
     **cuda_build(),

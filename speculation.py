@@ -5,6 +5,7 @@ of the sequence (each a generated token at its position, so its logits are those
 ARCHITECTURE.md, "Lanes never mix"); the engine samples the positions in order with the sequence's own generator
 and keeps a draft while the sampled token equals it. No row is free (the CPU kernel does not pad), so a lane drafts
 as much as its drafts get accepted."""
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ class NgramIndex:
         for end in range(self.indexed + 1, last + 1):
             for n in self.sizes:
                 if n <= end:
-                    self.ends[tuple(tokens[end - n:end])] = end
+                    self.ends[tuple(tokens[end - n : end])] = end
         self.indexed = max(self.indexed, last)
         if self.wait:
             self.wait -= 1
@@ -52,7 +53,7 @@ class NgramIndex:
         for n in self.sizes:
             if n <= len(tokens) and (end := self.ends.get(tuple(tokens[-n:]))) is not None:
                 # What followed it, continued past the end as the repeat would go on (period len(tokens) - end).
-                draft = tokens[end:end + k]
+                draft = tokens[end : end + k]
                 while len(draft) < k:
                     draft.append(draft[len(draft) - (len(tokens) - end)])
                 return draft
@@ -83,8 +84,10 @@ def propose(seq: Sequence, scheduler) -> list[int]:
         seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, k)
     draft, blocks = seq.ngrams.propose(seq.token_ids, min(k, seq.ngrams.limit)), scheduler.blocks
     # A block for each running sequence stays free besides: drafts must not push a later decode into preempting.
-    if blocks.blocks_needed(seq.block_table, seq.num_computed_tokens + 1 + len(draft)) + len(scheduler.running) \
-            <= blocks.num_free_blocks:
+    if (
+        blocks.blocks_needed(seq.block_table, seq.num_computed_tokens + 1 + len(draft)) + len(scheduler.running)
+        <= blocks.num_free_blocks
+    ):
         seq.draft = draft
     return seq.draft
 
@@ -122,7 +125,8 @@ def speculative_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
     known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
     if not isinstance(spec, dict) or spec.get("method") not in ("ngram", None) or not set(spec) <= known:
-        raise argparse.ArgumentTypeError(f"a JSON object with \"method\": \"ngram\" and any of "
-                                         f"{', '.join(sorted(known - {'method'}))}")
+        raise argparse.ArgumentTypeError(
+            f'a JSON object with "method": "ngram" and any of {", ".join(sorted(known - {"method"}))}'
+        )
     spec.pop("method", None)
     return spec

@@ -7,25 +7,35 @@ import pytest
 import torch
 
 import cpu_matmul
-import openai_api
 import weights
 from config import EngineConfig
-from engine import LLM, SamplingParams
 from cpu import Int4Linear, quantize_int4
+from engine import LLM, SamplingParams
 from runner import StepBatch
 from sequence import Sequence
+from server import openai_api
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "Name three primary colors."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three primary colors."},
+    ],
     [{"role": "user", "content": "Write a Python function that reverses a string."}],
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "user", "content": "What is 12 times 7?"}, {"role": "assistant", "content": "84."},
-     {"role": "user", "content": "And divided by 4?"}],
+    [
+        {"role": "user", "content": "What is 12 times 7?"},
+        {"role": "assistant", "content": "84."},
+        {"role": "user", "content": "And divided by 4?"},
+    ],
     [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
-    [{"role": "user", "content": "Explain in one paragraph why the sky is blue, mentioning "
-                                 "Rayleigh scattering, wavelengths and the atmosphere."}],
+    [
+        {
+            "role": "user",
+            "content": "Explain in one paragraph why the sky is blue, mentioning "
+            "Rayleigh scattering, wavelengths and the atmosphere.",
+        }
+    ],
     [{"role": "user", "content": "List the planets of the solar system in order from the sun."}],
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
@@ -59,7 +69,7 @@ def assert_hf_greedy(hf, ids: list[int], ours: list[int], n: int) -> None:
     checks every position at once, where generate() would take n forwards."""
     tok, model = hf
     with torch.no_grad():
-        logits = model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]
+        logits = model(torch.tensor([ids + ours])).logits[0, len(ids) - 1 : -1]
     assert logits.argmax(-1).tolist() == ours, (tok.decode(ours), tok.decode(logits.argmax(-1).tolist()))
     assert tok.eos_token_id not in ours[:-1] and (len(ours) == n or ours[-1] == tok.eos_token_id)
 
@@ -114,8 +124,9 @@ def test_step_trace():
     engine.add_request([30, 31], SamplingParams(max_tokens=2, **ignore), "C")
     while engine.has_unfinished():
         engine.step()
-    table = [{seq.request_id: (seq.num_generated, seq.kv_tokens, seq.finished) for seq in step}
-             for step in engine.trace]
+    table = [
+        {seq.request_id: (seq.num_generated, seq.kv_tokens, seq.finished) for seq in step} for step in engine.trace
+    ]
     assert table == [
         {"A": (1, 5, False), "B": (1, 7, False), "C": (1, 3, False)},
         {"A": (2, 6, False), "B": (2, 8, False), "C": (2, 4, True)},
@@ -127,11 +138,13 @@ def test_step_trace():
 
 
 def test_long_prompt_chunked_while_others_decode(llm):
-    short = llm.add_request(llm.tokenizer.apply_chat_template(CHATS[3]),
-                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    short = llm.add_request(
+        llm.tokenizer.apply_chat_template(CHATS[3]), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )
     llm.step()  # the short request is decoding before the long one arrives
     long_prompt = llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 40}])
+        [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 40}]
+    )
     assert len(long_prompt) > 3 * llm.config.max_num_batched_tokens
     long = llm.add_request(long_prompt, SamplingParams(temperature=0, max_tokens=4))
     steps_until_long_first_token = 0
@@ -168,27 +181,54 @@ def test_bad_requests(llm):
         llm.add_request([], SamplingParams())
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_tokens=2.5), dict(top_k=2.5), dict(logprobs=2.5), dict(seed=1.5),
-                                    dict(seed=2**70), dict(seed="a"), dict(stop=[1]), dict(stop_token_ids=5),
-                                    dict(logit_bias=[1, 2]), dict(logit_bias={5: "x"}), dict(temperature=None),
-                                    dict(max_tokens="5"), dict(temperature=True), dict(ignore_eos="yes"),
-                                    dict(skip_special_tokens=0), dict(logit_bias={"\u0663": 1}),
-                                    dict(repetition_penalty=float("inf"))])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_tokens=2.5),
+        dict(top_k=2.5),
+        dict(logprobs=2.5),
+        dict(seed=1.5),
+        dict(seed=2**70),
+        dict(seed="a"),
+        dict(stop=[1]),
+        dict(stop_token_ids=5),
+        dict(logit_bias=[1, 2]),
+        dict(logit_bias={5: "x"}),
+        dict(temperature=None),
+        dict(max_tokens="5"),
+        dict(temperature=True),
+        dict(ignore_eos="yes"),
+        dict(skip_special_tokens=0),
+        dict(logit_bias={"\u0663": 1}),
+        dict(repetition_penalty=float("inf")),
+    ],
+)
 def test_sampling_params_of_the_wrong_type_name_their_field(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
 
 
 def test_the_python_api_refuses_bad_input_whole(tiny):
-    for kwargs in (dict(max_num_seqs=2.5), dict(block_size=16.0), dict(num_kv_blocks=2.5), dict(torch_threads=10**5),
-                   dict(kv_cache_memory=float("inf")), dict(max_model_len=2.5)):
+    for kwargs in (
+        dict(max_num_seqs=2.5),
+        dict(block_size=16.0),
+        dict(num_kv_blocks=2.5),
+        dict(torch_threads=10**5),
+        dict(kv_cache_memory=float("inf")),
+        dict(max_model_len=2.5),
+    ):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             LLM(model=tiny, dummy_weights=True, **kwargs)
     llm = LLM(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=64), max_num_seqs=3)  # kwargs win
     assert llm.config.max_num_seqs == 3 and llm.config.num_kv_blocks == 64
     greedy = SamplingParams(max_tokens=2, temperature=0)
-    for prompts, match in ((b"hello", "prompts"), (None, "prompts"), (torch.tensor([1, 2]), "prompts"),
-                           ([[1.5, 5]], "token ids"), ([[True, 5]], "token ids")):
+    for prompts, match in (
+        (b"hello", "prompts"),
+        (None, "prompts"),
+        (torch.tensor([1, 2]), "prompts"),
+        ([[1.5, 5]], "token ids"),
+        ([[True, 5]], "token ids"),
+    ):
         with pytest.raises(ValueError, match=match):
             llm.generate(prompts, greedy)
     with pytest.raises(ValueError, match="3 prompts but 1 sampling params"):
@@ -196,8 +236,16 @@ def test_the_python_api_refuses_bad_input_whole(tiny):
     with pytest.raises(ValueError, match="empty"):  # the first prompt was fine: it must not stay queued
         llm.generate(["a fine prompt", ""], greedy)
     assert not llm.has_unfinished() and not llm.requests
-    for conversation in (["hi"], "hello", [{"role": "user", "content": 5}], [{"role": "user"}], [[]],
-                         {"role": "user", "content": "hi"}, None, 5):
+    for conversation in (
+        ["hi"],
+        "hello",
+        [{"role": "user", "content": 5}],
+        [{"role": "user"}],
+        [[]],
+        {"role": "user", "content": "hi"},
+        None,
+        5,
+    ):
         with pytest.raises(ValueError, match="conversation"):
             llm.chat(conversation, greedy)
     for params in ({"max_tokens": 2}, [{"max_tokens": 2}], {}):
@@ -216,6 +264,7 @@ def test_the_python_api_refuses_bad_input_whole(tiny):
 
     def interrupted():
         raise KeyboardInterrupt
+
     llm.step = interrupted  # Ctrl-C during generate(): its requests must not stay queued
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["a", "b"], greedy)
@@ -262,8 +311,10 @@ def test_int4_rows_do_not_depend_on_the_batch(dtype):
 def test_int4_is_the_same_model(smollm2_4_layers):
     # In float32 the 4-bit weights are the checkpoint's own: only the summation order differs (on the
     # first 4 layers, as the 4-bit kernel in float32 is slow on CPUs without AVX-512).
-    dense, q4 = (LLM(model_path=smollm2_4_layers, quantization=q, num_kv_blocks=256, dtype="float32", device="cpu")
-                 for q in (None, "int4"))
+    dense, q4 = (
+        LLM(model_path=smollm2_4_layers, quantization=q, num_kv_blocks=256, dtype="float32", device="cpu")
+        for q in (None, "int4")
+    )
     prompt = q4.tokenizer.apply_chat_template(CHATS[0])
     top5 = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     logits = [engine.generate([prompt], top5)[0].logprob.top for engine in (dense, q4)]
@@ -277,25 +328,36 @@ def test_one_failing_sequence_fails_alone(tiny, monkeypatch):
     """NaN logits (greedy and sampled) and a detokenizer that raises each end their own request with an
     error; the requests beside them produce the tokens and logprobs of a run without them, bit for bit."""
     import runner
+
     llm = LLM(model=tiny, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=64)
-    good = {f"ok{i}": ([7 + i, 50, 9 * i + 1], SamplingParams(temperature=i % 2, seed=i, max_tokens=8,
-                                                                ignore_eos=True, logprobs=2)) for i in range(6)}
-    bad = {"nan-greedy": ([5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
-           "nan-sampled": ([5, 6], SamplingParams(temperature=1, max_tokens=8, ignore_eos=True, top_p=0.5)),
-           "detok": ([5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))}
+    good = {
+        f"ok{i}": (
+            [7 + i, 50, 9 * i + 1],
+            SamplingParams(temperature=i % 2, seed=i, max_tokens=8, ignore_eos=True, logprobs=2),
+        )
+        for i in range(6)
+    }
+    bad = {
+        "nan-greedy": ([5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+        "nan-sampled": ([5, 6], SamplingParams(temperature=1, max_tokens=8, ignore_eos=True, top_p=0.5)),
+        "detok": ([5, 6], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+    }
 
     def run(requests: dict) -> dict:
         for rid, (ids, params) in requests.items():
             llm.add_request(ids, params, rid)
         if "detok" in requests:
+
             def broken(token_id: int, stops_armed: bool = True) -> str:
                 raise UnicodeError("injected")
+
             llm.requests["detok"].detokenizer.feed = broken
         got: dict = {}
         while llm.has_unfinished():
             for o in llm.step():
                 got.setdefault(o.request_id, []).append((o.token_ids[-1:], o.logprob, o.finish_reason, o.error))
         return got
+
     expected = run(good)
 
     sample = runner.sample
@@ -305,6 +367,7 @@ def test_one_failing_sequence_fails_alone(tiny, monkeypatch):
             if seq.request_id.startswith("nan") and len(seq.output_token_ids) == 2:
                 logits[i] = float("nan")
         return sample(logits, seqs)
+
     monkeypatch.setattr(runner, "sample", poisoned)
     got = run({**good, **bad})
     assert {rid: got[rid] for rid in good} == expected
@@ -319,25 +382,36 @@ def test_min_tokens_logit_bias_and_special_tokens(tiny):
     start, eos = llm.tokenizer.special["<|im_start|>"], llm.tokenizer.eos_id
     forced = SamplingParams(temperature=0, max_tokens=3, logit_bias={start: 100})
     assert llm.generate([[1, 2, 3]], forced)[0].token_ids == [start] * 3
-    out = llm.generate([[1, 2, 3]] * 2, [forced, SamplingParams(temperature=0, max_tokens=3, logit_bias={start: 100},
-                                                            skip_special_tokens=False)])
+    out = llm.generate(
+        [[1, 2, 3]] * 2,
+        [forced, SamplingParams(temperature=0, max_tokens=3, logit_bias={start: 100}, skip_special_tokens=False)],
+    )
     assert out[0].text == "" and out[1].text == "<|im_start|>" * 3
     # Logprobs are the model's own, as vLLM's default: the bias changes the token, not the distribution.
-    plain, biased = llm.generate([[1, 2, 3]] * 2, [SamplingParams(temperature=0, max_tokens=1, logprobs=3),
-                                                    SamplingParams(temperature=0, max_tokens=1, logprobs=3,
-                                                                   logit_bias={start: 100})])
+    plain, biased = llm.generate(
+        [[1, 2, 3]] * 2,
+        [
+            SamplingParams(temperature=0, max_tokens=1, logprobs=3),
+            SamplingParams(temperature=0, max_tokens=1, logprobs=3, logit_bias={start: 100}),
+        ],
+    )
     assert biased.token_ids == [start] and biased.logprob.top == plain.logprob.top
     # An ignored EOS is text like any special token, as in vLLM: dropped unless skip_special_tokens is off.
     eos_forced = dict(temperature=0, max_tokens=2, logit_bias={eos: 100}, ignore_eos=True)
-    out = llm.generate([[1, 2, 3]] * 2, [SamplingParams(**eos_forced),
-                                         SamplingParams(**eos_forced, skip_special_tokens=False)])
+    out = llm.generate(
+        [[1, 2, 3]] * 2, [SamplingParams(**eos_forced), SamplingParams(**eos_forced, skip_special_tokens=False)]
+    )
     assert [(o.text, o.finish_reason) for o in out] == [("", "length"), ("<|endoftext|>" * 2, "length")]
     # EOS made the likeliest token: banned for the first 3 tokens, then it ends the request.
     out = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, min_tokens=3, logit_bias={eos: 100}))[0]
     assert len(out.token_ids) == 4 and eos not in out.token_ids[:3] and out.finish_reason == "stop"
     assert out.stop_reason is None  # EOS, as vLLM: a stop token or string the request named is its stop_reason
-    out = llm.generate([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=10, min_tokens=5, seed=1,
-                                                 stop_token_ids=[start], logit_bias={start: 100}))[0]
+    out = llm.generate(
+        [1, 2, 3],
+        SamplingParams(
+            temperature=0.8, max_tokens=10, min_tokens=5, seed=1, stop_token_ids=[start], logit_bias={start: 100}
+        ),
+    )[0]
     assert out.token_ids[5] == start and start not in out.token_ids[:5] and out.finish_reason == "stop"
     assert out.stop_reason == start
     with pytest.raises(ValueError, match="logit_bias"):
@@ -348,14 +422,17 @@ def test_min_tokens_logit_bias_and_special_tokens(tiny):
 
 def test_a_top_p_below_float32_keeps_the_likeliest_token(tiny):
     llm = LLM(model=tiny, dummy_weights=True, device="cpu", dtype="float32", num_kv_blocks=16)
-    greedy, tiny_p = (llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True, **k))[0]
-                      for k in (dict(temperature=0), dict(temperature=1, top_p=1.7e-289, seed=1)))
+    greedy, tiny_p = (
+        llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True, **k))[0]
+        for k in (dict(temperature=0), dict(temperature=1, top_p=1.7e-289, seed=1))
+    )
     assert tiny_p.finish_reason == "length" and tiny_p.token_ids == greedy.token_ids
 
 
 def test_repetition_penalty_is_vllms():
     """A seen token's logit divided by the penalty when positive, multiplied when not; others untouched."""
     from sampler import _process
+
     seq = Sequence("r", [0, 1], SamplingParams(repetition_penalty=2.0))
     seq.token_ids.append(3)
     got = _process(torch.tensor([2.0, -1.0, 3.0, 0.5]), seq)
@@ -382,13 +459,24 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
     """A Hugging Face directory's generation_config.json gives the sampling values a request leaves out, as in
     vLLM: here greedy, which random weights' near-flat logits would otherwise almost never give."""
     import json
+
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(tmp_path)
     hf_tokenizer.save_pretrained(tmp_path)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 50,
-                                                                   "max_length": 9, "max_new_tokens": 5}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 50, "max_length": 9, "max_new_tokens": 5})
+    )
     llm = LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16)
     # top_k 50 is transformers' default; max_new_tokens becomes max_tokens
     assert llm.sampling_defaults == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 5}
@@ -399,7 +487,9 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
     # The server caps what a request asks for at max_new_tokens, as vLLM; below it, the request's own.
     assert [openai_api.sampling_params({"max_tokens": n}, False, 3, llm, 0).max_tokens for n in (2, 9)] == [2, 5]
     assert openai_api.sampling_params({}, True, 3, llm, 0).max_tokens == 5
-    assert LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16, generation_config="vllm").sampling_defaults == {}
+    assert (
+        LLM(model_path=str(tmp_path), device="cpu", num_kv_blocks=16, generation_config="vllm").sampling_defaults == {}
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 3.0}))
     with pytest.raises(ValueError, match="generation_config.json: temperature must be in"):
         weights.sampling_defaults(str(tmp_path))

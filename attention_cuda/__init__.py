@@ -1,12 +1,12 @@
 """Paged attention: the pure-PyTorch reference (the test oracle; prefill on every device) and our CUDA
 kernel for decode. cpu.py holds a faster CPU form of both, tested against the reference."""
+
 import glob
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 
 # The 8-bit KV cache types (--kv-cache-dtype) and their largest code: a stored token-head vector's largest |value|
 # becomes QMAX, so that its scale, amax / QMAX, is one float32 per token and KV head (the lanes rule: a token's
@@ -34,9 +34,15 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
     return (codes.float() * scales[..., None]).to(dtype)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """Write each new token's K/V ([num_tokens, kv_heads, dim]) into the paged cache ([num_blocks, block_size,
     kv_heads, dim]) at its slot = block_id * block_size + offset; slot -1 (padding) is skipped. With scales
     ([num_blocks, block_size, kv_heads] float32: an 8-bit cache), quantized (quantize_kv)."""
@@ -52,8 +58,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, scales: torch.Tensor | None = None,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_kv(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """One sequence's first num_tokens cached tokens, in order: [num_tokens, kv_heads, dim]; with scales (an 8-bit
     cache), dequantized to dtype. Token t lives in block block_table[t // block_size], row t % block_size."""
     t = torch.arange(num_tokens, device=cache.device)
@@ -61,47 +72,81 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, s
     return cache[index] if scales is None else dequantize_kv(cache[index], scales[index], dtype)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float, max_context_len: int | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    window: int = 0) -> torch.Tensor:
-    """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to its
-    sequence's first context_lens[i] cached tokens (its own included; window > 0: the last `window` of them) alone;
-    query head h reads KV head h // (num_heads / num_kv_heads) (grouped-query attention). In float32 (float64 stays float64), sequence by
-    sequence; returns query's shape and dtype (zeros for context 0). max_context_len: for the kernel's signature.
-    k_scale, v_scale: an 8-bit cache's (see store_kv)."""
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
+    """Decode attention, one query token per sequence: query [num_seqs, num_heads, head_dim] attends to its sequence's
+    first context_lens[i] cached tokens (its own included; window > 0: the last `window` of them) alone; query head h
+    reads KV head h // (num_heads / num_kv_heads) (grouped-query attention). In float32 (float64 stays float64),
+    sequence by sequence; returns query's shape and dtype (zeros for context 0). max_context_len: for the kernel's
+    signature. k_scale, v_scale: an 8-bit cache's (see store_kv)."""
     group = query.shape[1] // k_cache.shape[2]
     acc = torch.promote_types(query.dtype, torch.float32)
     out = torch.empty_like(query)
     for i, n in enumerate(context_lens.tolist()):
-        k, v = (gather_kv(c, block_tables[i], n, s, acc)[max(0, n - window) if window else 0:].to(acc)
-                .repeat_interleave(group, dim=1) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+        k, v = (
+            gather_kv(c, block_tables[i], n, s, acc)[max(0, n - window) if window else 0 :]
+            .to(acc)
+            .repeat_interleave(group, dim=1)
+            for c, s in ((k_cache, k_scale), (v_cache, v_scale))
+        )
         scores = torch.einsum("hd,nhd->hn", query[i].to(acc), k) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(query.dtype)
     return out
 
 
-def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: list[int],
-                           host_context_lens: list[int], scale: float, decode: Callable = paged_attention,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           window: int = 0) -> torch.Tensor:
-    """Causal attention (window > 0: over the last `window` positions) for a flattened batch of sequences.
-    Sequence i owns the next query_lens[i] rows of query ([total_tokens, num_heads, head_dim]), the last of its context_lens[i] tokens: row j sits at position
-    context_len - q_len + j and sees keys 0..that position of its sequence alone. The leading one-token sequences
-    go to `decode` together (the CUDA kernel on GPU), the rest to SDPA. query_lens, host_context_lens: host lists.
-    k_scale, v_scale: an 8-bit cache's, its keys and values dequantized to query's dtype for SDPA."""
+def paged_attention_varlen(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: list[int],
+    host_context_lens: list[int],
+    scale: float,
+    decode: Callable = paged_attention,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
+    """Causal attention (window > 0: over the last `window` positions) for a flattened batch of sequences. Sequence i
+    owns the next query_lens[i] rows of query ([total_tokens, num_heads, head_dim]), the last of its context_lens[i]
+    tokens: row j sits at position context_len - q_len + j and sees keys 0..that position of its sequence alone. The
+    leading one-token sequences go to `decode` together (the CUDA kernel on GPU), the rest to SDPA. query_lens,
+    host_context_lens: host lists. k_scale, v_scale: an 8-bit cache's, its keys and values dequantized to query's dtype
+    for SDPA."""
     ones = next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens))
     out = torch.empty_like(query)
     if ones:
-        out[:ones] = decode(query[:ones], k_cache, v_cache, block_tables[:ones], context_lens[:ones], scale,
-                            max(host_context_lens[:ones]), k_scale, v_scale, window)
+        out[:ones] = decode(
+            query[:ones],
+            k_cache,
+            v_cache,
+            block_tables[:ones],
+            context_lens[:ones],
+            scale,
+            max(host_context_lens[:ones]),
+            k_scale,
+            v_scale,
+            window,
+        )
     s = ones
     for i in range(ones, len(query_lens)):
         n, ctx = query_lens[i], host_context_lens[i]
-        k, v = (gather_kv(c, block_tables[i], ctx, sc, query.dtype).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
-                for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))
-        q = query[s:s + n].unsqueeze(0).transpose(1, 2)
+        k, v = (
+            gather_kv(c, block_tables[i], ctx, sc, query.dtype).transpose(0, 1)[None]  # [1, kv_heads, ctx, dim]
+            for c, sc in ((k_cache, k_scale), (v_cache, v_scale))
+        )
+        q = query[s : s + n].unsqueeze(0).transpose(1, 2)
         if n == ctx and not window:  # a whole prompt in one chunk: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # a later chunk (positions ctx - n .. ctx - 1), or a window
@@ -109,7 +154,7 @@ def paged_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             mask = (key := torch.arange(ctx, device=query.device)) <= pos
             mask &= key > pos - window if window else True
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s:s + n] = o[0].transpose(0, 1)
+        out[s : s + n] = o[0].transpose(0, 1)
         s += n
     return out
 
@@ -133,55 +178,91 @@ def _kernels():
                 torch.ops.load_library(built[0])
             else:
                 from torch.utils.cpp_extension import load
-                load("laneserve_attention", [os.path.join(here, s) for s in _SOURCES], extra_cflags=_CXX_FLAGS,
-                     extra_cuda_cflags=_NVCC_FLAGS, is_python_module=False)
+
+                load(
+                    "laneserve_attention",
+                    [os.path.join(here, s) for s in _SOURCES],
+                    extra_cflags=_CXX_FLAGS,
+                    extra_cuda_cflags=_NVCC_FLAGS,
+                    is_python_module=False,
+                )
             _ext = torch.ops.laneserve
         except Exception as e:
             _ext = RuntimeError(  # kept, so that later calls fail at once with the same message
                 f"could not build the CUDA paged-attention kernel ({type(e).__name__}: {e}). Building "
                 "needs a CUDA build of torch, the CUDA toolkit (nvcc; CUDA_HOME if not on PATH) of a "
                 "matching version, a C++ compiler and ninja. The pure-PyTorch path needs none of "
-                "that and still works: attention_cuda.paged_attention/store_kv, and running on CPU.")
+                "that and still works: attention_cuda.paged_attention/store_kv, and running on CPU."
+            )
             _ext.__cause__ = e
     if isinstance(_ext, Exception):
         raise _ext
     return _ext
 
 
-def cuda_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         max_context_len: int | None = None, k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new contiguous tensor).
-    head_dim 64 or 128 (256 in 16 or 8 bits), block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and
-    context_lens int32 on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens
-    entry or more, from the host (so no device sync); it bounds the fp32 scratch. None: all that block_tables
-    addresses. Each sequence's result depends on its own context alone. An 8-bit cache (float8_e4m3fn,
-    float8_e5m2, int8) needs its k_scale and v_scale; the kernel dequantizes as it loads."""
+def cuda_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
+    """paged_attention on CUDA tensors, by the kernel: same arguments, same result (a new contiguous tensor). head_dim
+    64 or 128 (256 in 16 or 8 bits), block_size 8, 16 or 32, float32/float16/bfloat16, block_tables and context_lens
+    int32 on the same GPU; errors otherwise. Runs on the current stream. max_context_len: the longest context_lens entry
+    or more, from the host (so no device sync); it bounds the fp32 scratch. None: all that block_tables addresses. Each
+    sequence's result depends on its own context alone. An 8-bit cache (float8_e4m3fn, float8_e5m2, int8) needs its
+    k_scale and v_scale; the kernel dequantizes as it loads."""
     if max_context_len is None:  # 0 for shapes the binding rejects, so that its message is the one raised
         shaped = block_tables.dim() == 2 and k_cache.dim() == 4
         max_context_len = block_tables.shape[1] * k_cache.shape[1] if shaped else 0
     with torch.cuda.device(query.device if query.is_cuda else -1):
-        return _kernels().paged_attention(query, k_cache, v_cache, block_tables, context_lens, float(scale),
-                                          int(max_context_len), k_scale, v_scale, int(window),
-                                          torch.cuda.current_stream().cuda_stream)
+        return _kernels().paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            float(scale),
+            int(max_context_len),
+            k_scale,
+            v_scale,
+            int(window),
+            torch.cuda.current_stream().cuda_stream,
+        )
 
 
-def cuda_store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> None:
+def cuda_store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """store_kv on CUDA tensors, by the kernel (slot_mapping int64, -1 skipped). Current stream. With scales (an
     8-bit cache), quantized: codes and scales bit for bit quantize_kv's."""
     with torch.cuda.device(key.device if key.is_cuda else -1):
-        _kernels().store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-                            torch.cuda.current_stream().cuda_stream)
+        _kernels().store_kv(
+            key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, torch.cuda.current_stream().cuda_stream
+        )
 
 
 def cuda_extension():
     """For setup.py: the kernels as a CUDAExtension `attention_cuda._C` (paths relative to the
     repository root), which _kernels() then loads instead of building; None without nvcc."""
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+
     if CUDA_HOME is None:
         return None
-    return CUDAExtension("attention_cuda._C", [os.path.join("attention_cuda", s) for s in _SOURCES],
-                         extra_compile_args={"cxx": _CXX_FLAGS, "nvcc": _NVCC_FLAGS})
+    return CUDAExtension(
+        "attention_cuda._C",
+        [os.path.join("attention_cuda", s) for s in _SOURCES],
+        extra_compile_args={"cxx": _CXX_FLAGS, "nvcc": _NVCC_FLAGS},
+    )

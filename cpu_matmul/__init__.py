@@ -8,6 +8,7 @@ composed from all these in C++ (layer.cpp: attend, mlp; cpu.FusedBlock calls the
 torch.utils.cpp_extension on first use, as attention_cuda is; where it does not build, or the CPU has none of its
 instruction sets, isa() is None and cpu.py keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2,
 avx512 or avx512_bf16; unset, the best this CPU has."""
+
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +34,7 @@ def _load() -> bool:
     if _built is None:
         try:
             from torch.utils.cpp_extension import _get_build_directory, load
+
             name, here = "laneserve_cpu_matmul", os.path.dirname(os.path.abspath(__file__))
             build = _get_build_directory(name, False)
             # torch's build lock is a file that every load holds while ninja runs, and a process killed holding it
@@ -43,13 +45,19 @@ def _load() -> bool:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(build, "lock"))
                 sources = ("matmul.cpp", "attention.cpp", "rows.cpp", "layer.cpp")
-                load(name, [os.path.join(here, f) for f in sources],
-                     extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                     is_python_module=False)  # -fopenmp: else at::parallel_for runs on one thread
+                load(
+                    name,
+                    [os.path.join(here, f) for f in sources],
+                    extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                )  # -fopenmp: else at::parallel_for runs on one thread
             _built = True
         except Exception as e:  # no compiler, no ninja, ...: the tiles serve
-            warnings.warn(f"cpu_matmul: could not build the CPU matmul kernel, using row tiles ({type(e).__name__}: "
-                          f"{e})")
+            warnings.warn(
+                f"cpu_matmul: could not build the CPU matmul kernel, using row tiles ({type(e).__name__}: {e})",
+                stacklevel=2,
+            )
             _built = False
     return _built
 
@@ -65,8 +73,9 @@ def isa() -> int | None:
         return None
     if choice:
         if choice not in ISAS or not supported(choice):
-            raise ValueError(f"LANESERVE_CPU_MATMUL={choice}: this CPU runs "
-                             f"{[n for n in ISAS if supported(n)] + ['off']}")
+            raise ValueError(
+                f"LANESERVE_CPU_MATMUL={choice}: this CPU runs {[n for n in ISAS if supported(n)] + ['off']}"
+            )
         return ISAS[choice]
     return next((ISAS[n] for n in reversed(ISAS) if supported(n)), None)
 
@@ -131,6 +140,7 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.T
 
     def per_group(t: torch.Tensor) -> torch.Tensor:  # [n, groups] float32 as [blocks, groups, 64] bytes
         return t.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
     return torch.cat((per_group(scale), per_group(int4_zeros(scale, lo)), codes), -1).contiguous()
 
 
@@ -159,8 +169,13 @@ class Linear(nn.Module):
         self.n, self.k, self.isa = weight.shape[0], weight.shape[1], isa
         self.kind = {"int4": INT4, "int8": INT8}[quant] if quant else KINDS[weight.dtype]
         w = weight.detach()
-        packed = (pack_int4(*int4_groups(w, 32)) if quant == "int4" else pack_int8(*int8_groups(w, 32))
-                  if quant == "int8" else pack(w))
+        packed = (
+            pack_int4(*int4_groups(w, 32))
+            if quant == "int4"
+            else pack_int8(*int8_groups(w, 32))
+            if quant == "int8"
+            else pack(w)
+        )
         # A plain attribute, not a buffer, and no hooks (__call__ is forward): a one-stream step makes 121 of these
         # calls, and nn.Module's lookups would weigh on each.
         self.packed, self.op = packed, torch.ops.laneserve_cpu.linear.default
@@ -174,7 +189,8 @@ class Linear(nn.Module):
         if residual is not None:
             residual = residual.reshape(-1, self.n).contiguous()
         return self.op(x.reshape(-1, self.k).contiguous(), self.packed, self.kind, self.n, self.isa, residual).view(
-            *x.shape[:-1], self.n)
+            *x.shape[:-1], self.n
+        )
 
     __call__ = forward
 

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU with gloo: 2, 3 and 4 processes give TP=1's greedy tokens (float32), on SmolLM2's
 weights too and under KV pressure; HTTP streaming from a TP=2 server; a killed worker; torchrun's entry point;
 the errors."""
+
 import contextlib
 import http.client
 import json
@@ -13,10 +14,10 @@ import sys
 import time
 
 import pytest
+import test_lanes
 import torch
 
 import parallel
-import test_lanes
 import weights
 from config import EngineConfig
 from engine import LLM
@@ -26,22 +27,30 @@ from serve import Server
 
 pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m "not slow"`
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(7, 47)), list(range(100, 117)), [9] * 70]
 
 
 def shapes(kv_heads: int) -> ModelConfig:
-    return ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=kv_heads, head_dim=16)
+    return ModelConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+    )
 
 
 @pytest.fixture
 def preset(monkeypatch):
     """Registers a small preset (rank 0 sends its shapes to the workers it spawns)."""
+
     def register(kv_heads: int) -> str:
         monkeypatch.setitem(weights.PRESETS, f"kv{kv_heads}", shapes(kv_heads))
         return f"kv{kv_heads}"
+
     return register
 
 
@@ -92,8 +101,17 @@ def test_tp_under_kv_pressure(preset, mode):
     prompts = [list(range(i, i + 30 + 5 * i)) for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = run(prompts, params, model=model, dummy_weights=True, num_kv_blocks=64)[0]
-    tokens, preemptions, _ = run(prompts, params, model=model, dummy_weights=True, num_kv_blocks=12, block_size=16,
-                                 preemption_mode=mode, swap_space=0.01, tensor_parallel_size=2)
+    tokens, preemptions, _ = run(
+        prompts,
+        params,
+        model=model,
+        dummy_weights=True,
+        num_kv_blocks=12,
+        block_size=16,
+        preemption_mode=mode,
+        swap_space=0.01,
+        tensor_parallel_size=2,
+    )
     assert preemptions > 0 and tokens == alone
 
 
@@ -108,13 +126,24 @@ def request(url: str, method: str, path: str, body: dict | None = None) -> tuple
 def test_tp2_server_streams_then_a_killed_worker_is_an_error_not_a_hang(preset):
     model = preset(4)
     expected = run([[5, 6, 7]], model=model, dummy_weights=True, num_kv_blocks=64)[2][0]
-    s = Server(EngineConfig(model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32",
-                            tensor_parallel_size=2), port=0, log_requests=False)
+    s = Server(
+        EngineConfig(
+            model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32", tensor_parallel_size=2
+        ),
+        port=0,
+        log_requests=False,
+    )
     s.start()
     try:
         assert s.wait_ready(120)
-        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": model,
+            "prompt": [5, 6, 7],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         status, raw = request(s.url, "POST", "/v1/completions", body)
         events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
         assert status == 200 and len(events) == 12  # a chunk per token: random weights' tokens are all printable
@@ -135,8 +164,7 @@ def test_tp2_server_streams_then_a_killed_worker_is_an_error_not_a_hang(preset):
 
 def test_a_worker_killed_mid_generation_fails_the_step(preset):
     model = preset(4)
-    llm = LLM(model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32",
-              tensor_parallel_size=2)
+    llm = LLM(model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32", tensor_parallel_size=2)
     try:
         llm.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.step()
@@ -153,12 +181,27 @@ def test_a_worker_killed_mid_generation_fails_the_step(preset):
 def test_ctrl_c_stops_every_rank(launcher):
     """serve.py spawning its 2 workers, or torchrun starting 3 copies of it (the multi-node entry point, on
     one machine, env:// rendezvous): rank 0 serves; Ctrl-C in the terminal stops every process."""
-    serve = ["serve.py", "--dummy-weights", "--tensor-parallel-size", "3", "--port", "0", "--num-kv-blocks", "64",
-             "--max-model-len", "512"]
+    serve = [
+        "serve.py",
+        "--dummy-weights",
+        "--tensor-parallel-size",
+        "3",
+        "--port",
+        "0",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+    ]
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
-    p = subprocess.Popen([sys.executable, *(torchrun if launcher == "torchrun" else []), *serve], cwd=HERE,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, *(torchrun if launcher == "torchrun" else []), *serve],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in p.stderr:
             if "serving http" in line:
@@ -186,9 +229,23 @@ def test_ctrl_c_stops_every_rank(launcher):
 def test_stopped_while_loading_leaves_no_worker_and_no_traceback(wait):
     """SIGTERM while the spawned workers are still loading: rank 0 exits at once (torch cannot be stopped
     mid-load), and its workers, which nothing can tell to stop any more, end themselves quietly."""
-    p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--tensor-parallel-size", "3", "--port", "0",
-                          "--num-kv-blocks", "64"], cwd=HERE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "serve.py",
+            "--dummy-weights",
+            "--tensor-parallel-size",
+            "3",
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "64",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while sum("spawn_main" in cmd for cmd in _session_members(p.pid)) < 2 and time.monotonic() < deadline:
@@ -209,14 +266,17 @@ def test_stopped_while_loading_leaves_no_worker_and_no_traceback(wait):
 
 def test_a_killed_rank_0_leaves_no_worker():
     """SIGKILL runs no exit handler on rank 0: its workers, which watch it, end by themselves."""
-    script = ("import time, weights, test_parallel\n"
-              "from engine import LLM\n"
-              "weights.PRESETS['kv4'] = test_parallel.shapes(4)\n"
-              "llm = LLM(model='kv4', dummy_weights=True, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
-              "print(llm.runner.tp.workers[0].pid, flush=True)\n"
-              "time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         text=True)
+    script = (
+        "import time, weights, test_parallel\n"
+        "from engine import LLM\n"
+        "weights.PRESETS['kv4'] = test_parallel.shapes(4)\n"
+        "llm = LLM(model='kv4', dummy_weights=True, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
+        "print(llm.runner.tp.workers[0].pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         worker = int(p.stdout.readline())
         p.kill()
@@ -265,12 +325,21 @@ def test_clear_errors():
 def test_tp_with_speculation(preset):
     # Drafts travel in the step's broadcast: under TP=2, outputs are the same with and without speculation.
     import test_speculation
+
     requests, model, got = test_speculation.mixed(random.Random(2), 6), preset(4), []
-    requests += [(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=1))
-                 for prompt in PROMPTS]
+    requests += [
+        (prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=1)) for prompt in PROMPTS
+    ]
     for k in (0, 4):  # one tensor-parallel engine per process at a time
-        llm = LLM(model=model, dummy_weights=True, num_kv_blocks=64, device="cpu", dtype="float32",
-                  tensor_parallel_size=2, num_speculative_tokens=k)
+        llm = LLM(
+            model=model,
+            dummy_weights=True,
+            num_kv_blocks=64,
+            device="cpu",
+            dtype="float32",
+            tensor_parallel_size=2,
+            num_speculative_tokens=k,
+        )
         try:
             got.append(test_speculation.run(llm, requests))
         finally:

@@ -1,10 +1,11 @@
 """cli.ArgumentParser, as serve.py, bench.py and bench_ab.py use it: vLLM's underscore spellings taken, and a
 mistyped flag answered with the usage line, the flag it likely meant, and --help."""
+
 import pytest
 
 import bench
-import bench_ab
 import serve
+from benchmarks import bench_ab
 from cli import ArgumentParser
 
 
@@ -16,12 +17,15 @@ def refusal(main, argv: list[str], capsys) -> list[str]:
     return err.splitlines()
 
 
-@pytest.mark.parametrize("main, prog", [(serve.main, "serve.py"), (bench.main, "bench.py"),
-                                        (lambda argv: bench_ab.main([".", *argv]), "bench_ab.py")])
+@pytest.mark.parametrize(
+    "main, prog",
+    [(serve.main, "serve.py"), (bench.main, "bench.py"), (lambda argv: bench_ab.main([".", *argv]), "bench_ab.py")],
+)
 def test_an_unknown_flag_gets_usage_did_you_mean_and_help(main, prog, capsys):
     *usage, error = refusal(main, ["--max-batch-size", "8"], capsys)  # llama.cpp's and TGI's name
     assert usage[0].startswith(f"usage: {prog} ") and error == (
-        f"{prog}: error: unrecognized arguments: --max-batch-size 8 (did you mean --max-num-seqs?); see {prog} --help")
+        f"{prog}: error: unrecognized arguments: --max-batch-size 8 (did you mean --max-num-seqs?); see {prog} --help"
+    )
     *_, error = refusal(main, ["--max-nun-seqs=4", "--num_kv_blcks", "9"], capsys)  # misspelt, one with underscores
     assert "(did you mean --max-num-seqs and --num-kv-blocks?)" in error, error
     *_, error = refusal(main, ["--zzz"], capsys)  # nothing close: no guess
@@ -29,16 +33,20 @@ def test_an_unknown_flag_gets_usage_did_you_mean_and_help(main, prog, capsys):
 
 
 def test_usage_names_the_positionals_or_the_parsers_own(capsys):
-    assert refusal(lambda argv: bench_ab.main(["."] + argv), ["--bogus"], capsys)[0] == \
-        "usage: bench_ab.py [options] other"
+    assert (
+        refusal(lambda argv: bench_ab.main(["."] + argv), ["--bogus"], capsys)[0]
+        == "usage: bench_ab.py [options] other"
+    )
     assert refusal(bench.main, ["--bogus"], capsys)[0].startswith("usage: bench.py --base-url ")  # bench's usage=
 
 
 def test_another_servers_name_is_suggested_only_where_ours_exists(capsys):
     p = ArgumentParser(prog="p")
     p.add_argument("--port")
-    assert refusal(p.parse_args, ["--max-batch-size", "1"], capsys)[-1] == \
-        "p: error: unrecognized arguments: --max-batch-size 1; see p --help"
+    assert (
+        refusal(p.parse_args, ["--max-batch-size", "1"], capsys)[-1]
+        == "p: error: unrecognized arguments: --max-batch-size 1; see p --help"
+    )
 
 
 def test_underscores_are_dashes_in_flag_names_only():

@@ -1,5 +1,6 @@
 """The OpenAI API's side of the server, without sockets or threads (serve.py carries it over HTTP): request bodies
 checked field by field and turned into prompts and SamplingParams, replies and errors shaped as OpenAI's."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,42 +9,59 @@ import math
 import os
 
 from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
+from server.errors import ApiError
 from weights import HF_REPOS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The request fields implemented, with JSON types (/openapi.json's source); any other non-null one gets a 400.
 SAMPLING_FIELDS = {
-    "model": "string", "n": "integer", "stream": "boolean", "stream_options": "object", "max_tokens": "integer",
-    "temperature": "number", "top_p": "number", "top_k": "integer", "min_p": "number", "seed": "integer",
-    "stop": ["string", "array"], "stop_token_ids": "array", "ignore_eos": "boolean", "min_tokens": "integer",
-    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number",
-    "logit_bias": "object", "skip_special_tokens": "boolean", "response_format": "object", "cache_salt": "string",
-    "user": "string"}  # user: the client's own end-user id, for its records; changes nothing here
+    "model": "string",
+    "n": "integer",
+    "stream": "boolean",
+    "stream_options": "object",
+    "max_tokens": "integer",
+    "temperature": "number",
+    "top_p": "number",
+    "top_k": "integer",
+    "min_p": "number",
+    "seed": "integer",
+    "stop": ["string", "array"],
+    "stop_token_ids": "array",
+    "ignore_eos": "boolean",
+    "min_tokens": "integer",
+    "presence_penalty": "number",
+    "frequency_penalty": "number",
+    "repetition_penalty": "number",
+    "logit_bias": "object",
+    "skip_special_tokens": "boolean",
+    "response_format": "object",
+    "cache_salt": "string",
+    "user": "string",
+}  # user: the client's own end-user id, for its records; changes nothing here
 FIELDS = {
-    "/v1/chat/completions": {"messages": "array", "max_completion_tokens": "integer", "logprobs": "boolean",
-                             "top_logprobs": "integer", **SAMPLING_FIELDS},
+    "/v1/chat/completions": {
+        "messages": "array",
+        "max_completion_tokens": "integer",
+        "logprobs": "boolean",
+        "top_logprobs": "integer",
+        **SAMPLING_FIELDS,
+    },
     "/v1/completions": {"prompt": ["string", "array"], "logprobs": "integer", "echo": "boolean", **SAMPLING_FIELDS},
-    "/tokenize": {"model": "string", "prompt": "string", "messages": "array", "add_special_tokens": "boolean",
-                  "add_generation_prompt": "boolean"},
-    "/detokenize": {"model": "string", "tokens": "array"}}
+    "/tokenize": {
+        "model": "string",
+        "prompt": "string",
+        "messages": "array",
+        "add_special_tokens": "boolean",
+        "add_generation_prompt": "boolean",
+    },
+    "/detokenize": {"model": "string", "tokens": "array"},
+}
 REQUIRED = {"/v1/chat/completions": ["messages"], "/v1/completions": ["prompt"], "/detokenize": ["tokens"]}
 # A field of the other generation endpoint: the client called the wrong one.
 WRONG_ENDPOINT = {
     ("/v1/chat/completions", "prompt"): "a prompt goes to /v1/completions; this endpoint takes 'messages'",
-    ("/v1/completions", "messages"): "messages go to /v1/chat/completions; this endpoint takes 'prompt'"}
-
-
-class ApiError(Exception):
-    """An error the client gets in OpenAI's envelope."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict:
-        kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error")
-        return {"error": {"message": str(self), "type": "server_error" if self.status >= 500 else kind,
-                          "param": self.param, "code": self.code}}
+    ("/v1/completions", "messages"): "messages go to /v1/chat/completions; this endpoint takes 'prompt'",
+}
 
 
 def parse_body(raw: bytes, route: str) -> dict:
@@ -68,10 +86,19 @@ def get(body: dict, name: str, kind: type, default=None):
         return default
     if kind is float and type(value) is int:
         value = float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or \
-            (kind is float and not math.isfinite(value)):
-        what = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", dict: "an object",
-                list: "an array"}
+    if (
+        not isinstance(value, kind)
+        or (kind is not bool and isinstance(value, bool))
+        or (kind is float and not math.isfinite(value))
+    ):
+        what = {
+            int: "an integer",
+            float: "a number",
+            bool: "a boolean",
+            str: "a string",
+            dict: "an object",
+            list: "an array",
+        }
         raise ApiError(400, f"'{name}' must be {what[kind]}", name)
     return value
 
@@ -91,8 +118,9 @@ def chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True) 
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
             content = "\n".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
@@ -136,13 +164,22 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
     # vLLM's messages, OpenAI's code: clients match them to shorten the request and retry.
     limit, what = engine.max_model_len, "messages" if chat else "prompt"
     if prompt_len >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
-                            f"{prompt_len} input tokens. Please reduce the length of the input {what}.", what,
-                       "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input {what}.",
+            what,
+            "context_length_exceeded",
+        )
     if prompt_len + max_tokens > limit:
-        raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                            f"context length is {limit} tokens and your request has {prompt_len} input tokens "
-                            f"({max_tokens} > {limit} - {prompt_len}).", "max_tokens", "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+            f"context length is {limit} tokens and your request has {prompt_len} input tokens "
+            f"({max_tokens} > {limit} - {prompt_len}).",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
     # Bounded: the engine thread checks every stop string's prefixes after every token.
@@ -158,23 +195,38 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
     seed = get(body, "seed", int)
     bias, stop_ids = get(body, "logit_bias", dict, {}), get(body, "stop_token_ids", list, [])
     vocab = engine.model_config.vocab_size
-    if not all(k.isascii() and k.isdecimal() and len(k) <= 10 and int(k) < vocab
-               and type(v) in (int, float) and math.isfinite(v) for k, v in bias.items()):
+    if not all(
+        k.isascii()
+        and k.isdecimal()
+        and len(k) <= 10
+        and int(k) < vocab
+        and type(v) in (int, float)
+        and math.isfinite(v)
+        for k, v in bias.items()
+    ):
         raise ApiError(400, f"'logit_bias' must map token ids in [0, {vocab}) to numbers", "logit_bias")
     if not all(type(t) is int and 0 <= t < vocab for t in stop_ids):
         raise ApiError(400, f"'stop_token_ids' must be an array of token ids in [0, {vocab})", "stop_token_ids")
     try:
         return SamplingParams(
             temperature=get(body, "temperature", float, d.get("temperature", 1.0)),
-            top_p=get(body, "top_p", float, d.get("top_p", 1.0)), top_k=get(body, "top_k", int, d.get("top_k", 0)),
-            min_p=get(body, "min_p", float, d.get("min_p", 0.0)), max_tokens=max_tokens,
-            seed=None if seed is None else (seed + i) % 2**64, ignore_eos=get(body, "ignore_eos", bool, False),
-            stop=stop, presence_penalty=get(body, "presence_penalty", float, 0.0),
-            frequency_penalty=get(body, "frequency_penalty", float, 0.0), logprobs=logprobs,
-            stop_token_ids=stop_ids, min_tokens=get(body, "min_tokens", int, 0),
+            top_p=get(body, "top_p", float, d.get("top_p", 1.0)),
+            top_k=get(body, "top_k", int, d.get("top_k", 0)),
+            min_p=get(body, "min_p", float, d.get("min_p", 0.0)),
+            max_tokens=max_tokens,
+            seed=None if seed is None else (seed + i) % 2**64,
+            ignore_eos=get(body, "ignore_eos", bool, False),
+            stop=stop,
+            presence_penalty=get(body, "presence_penalty", float, 0.0),
+            frequency_penalty=get(body, "frequency_penalty", float, 0.0),
+            logprobs=logprobs,
+            stop_token_ids=stop_ids,
+            min_tokens=get(body, "min_tokens", int, 0),
             repetition_penalty=get(body, "repetition_penalty", float, d.get("repetition_penalty", 1.0)),
-            logit_bias=bias, skip_special_tokens=get(body, "skip_special_tokens", bool, True),
-            cache_salt=get(body, "cache_salt", str))
+            logit_bias=bias,
+            skip_special_tokens=get(body, "skip_special_tokens", bool, True),
+            cache_salt=get(body, "cache_salt", str),
+        )
     except ValueError as e:  # the messages read "<field> must be ..."
         param = str(e).split()[0]
         if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
@@ -188,21 +240,32 @@ def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) 
         return None
     tok = engine.tokenizer
     if chat:
+
         def entry(token_id: int, logprob: float) -> dict:
             raw = tok.decode_bytes([token_id])
             return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-        return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(*t) for t in x.top]}
-                            for x in lps]}
+
+        return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(*t) for t in x.top]} for x in lps]}
     tokens = [tok.decode([x.token_id]) for x in lps]
-    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            # The sampled token's always, as OpenAI documents: up to logprobs + 1 entries.
-            "top_logprobs": [{text: x.logprob, **{tok.decode([t]): lp for t, lp in x.top}}
-                             for text, x in zip(tokens, lps)],
-            "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset))}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [x.logprob for x in lps],
+        # The sampled token's always, as OpenAI documents: up to logprobs + 1 entries.
+        "top_logprobs": [{text: x.logprob, **{tok.decode([t]): lp for t, lp in x.top}} for text, x in zip(tokens, lps)],
+        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)),
+    }
 
 
-def choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: list[TokenLogprob],
-           last: RequestOutput | None, offset: int = 0) -> dict:
+def choice(
+    engine: Engine,
+    chat: bool,
+    stream: bool,
+    i: int,
+    text: str,
+    lps: list[TokenLogprob],
+    last: RequestOutput | None,
+    offset: int = 0,
+) -> dict:
     """One choice of a reply or of a stream's chunk; `last` is the engine output it reports the reasons of
     (None for a chunk of no output, such as an echo)."""
     if not chat:
@@ -211,8 +274,12 @@ def choice(engine: Engine, chat: bool, stream: bool, i: int, text: str, lps: lis
         choice = {"index": i, "delta": {"content": text} if text else {}}
     else:
         choice = {"index": i, "message": {"role": "assistant", "content": text}}
-    return {**choice, "logprobs": _logprobs(engine, chat, lps, offset),
-            "finish_reason": last and last.finish_reason, "stop_reason": last and last.stop_reason}
+    return {
+        **choice,
+        "logprobs": _logprobs(engine, chat, lps, offset),
+        "finish_reason": last and last.finish_reason,
+        "stop_reason": last and last.stop_reason,
+    }
 
 
 def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
@@ -233,8 +300,12 @@ def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
     if body.get("stream_options") is not None and not stream:
         raise ApiError(400, "'stream_options' is only for streamed requests ('stream': true)", "stream_options")
     if unknown := sorted(set(options) - {"include_usage"}):
-        raise ApiError(400, f"stream_options: unsupported key(s) {', '.join(unknown)} (only include_usage)",
-                       "stream_options", "unsupported_field")
+        raise ApiError(
+            400,
+            f"stream_options: unsupported key(s) {', '.join(unknown)} (only include_usage)",
+            "stream_options",
+            "unsupported_field",
+        )
     return n, stream, echo, get(options, "include_usage", bool, False)
 
 
@@ -245,26 +316,44 @@ def model_names(model: str, checkpoint_path: str | None, served: str | list[str]
     if served:
         return [served] if isinstance(served, str) else list(served)
     aliases = [name for preset, repos in HF_REPOS.items() if model in (preset, *repos) for name in (preset, *repos)]
-    files = [os.path.basename(p.rstrip("/")) for p in (model, checkpoint_path)
-             if p and os.path.basename(os.path.dirname(p.rstrip("/"))) != "snapshots"]  # not a HF cache's hash
+    files = [
+        os.path.basename(p.rstrip("/"))
+        for p in (model, checkpoint_path)
+        if p and os.path.basename(os.path.dirname(p.rstrip("/"))) != "snapshots"
+    ]  # not a HF cache's hash
     return list(dict.fromkeys([model, *aliases, *files]))
 
 
 def check_model(body: dict, names: list[str]) -> None:
     """A request may name the model (one of its names, the served one first) or not."""
     if (model := get(body, "model", str, names[0])) not in names:
-        raise ApiError(404, f"The model `{model}` does not exist. This server serves: {', '.join(names)}.", "model",
-                       "model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist. This server serves: {', '.join(names)}.",
+            "model",
+            "model_not_found",
+        )
 
 
 def openapi(version: str) -> dict:
     ok = {"200": {"description": "OK"}, "400": {"description": "Bad request, OpenAI's error JSON"}}
 
     def post(path: str) -> dict:
-        schema = {"type": "object", "required": REQUIRED.get(path, []),
-                  "properties": {k: {"type": t} for k, t in FIELDS[path].items()}}
-        return {"post": {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
-                         "responses": ok}}
+        schema = {
+            "type": "object",
+            "required": REQUIRED.get(path, []),
+            "properties": {k: {"type": t} for k, t in FIELDS[path].items()},
+        }
+        return {
+            "post": {
+                "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                "responses": ok,
+            }
+        }
+
     gets = ("/health", "/metrics", "/version", "/v1/models")
-    return {"openapi": "3.1.0", "info": {"title": "laneserve", "version": version},
-            "paths": {**{path: post(path) for path in FIELDS}, **{path: {"get": {"responses": ok}} for path in gets}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "laneserve", "version": version},
+        "paths": {**{path: post(path) for path in FIELDS}, **{path: {"get": {"responses": ok}} for path in gets}},
+    }

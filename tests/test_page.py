@@ -6,6 +6,7 @@ filling the lanes panel and reusing a freed slot (the 3 the page holds back show
 gauges that go idle, the KV panel all free afterwards, and a screenshot; a chat that leaves sampling to the
 server's defaults and marks a reply cut at max_tokens; the KV map readable from 100 to 100,000 blocks, its
 lane colours away from the legend's; throughput timed by the server's clock."""
+
 import collections
 import http.client
 import json
@@ -15,13 +16,13 @@ import socket
 import time
 
 import pytest
+from test_serve import request, wait_metrics
 
-import events
 import weights
 from config import EngineConfig
 from conftest import TINY
 from serve import Server
-from test_serve import request, wait_metrics
+from server import events
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -31,8 +32,19 @@ def server():
     """Random weights in a tiny model, 4 slots: 8 requests make lanes wait for a slot and reuse it."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(weights.PRESETS, "tiny", TINY)
-        s = Server(EngineConfig(model="tiny", dummy_weights=True, num_kv_blocks=128, device="cpu", max_num_seqs=4,
-                                enable_prefix_caching=True, max_model_len=2048), port=0, log_requests=False)
+        s = Server(
+            EngineConfig(
+                model="tiny",
+                dummy_weights=True,
+                num_kv_blocks=128,
+                device="cpu",
+                max_num_seqs=4,
+                enable_prefix_caching=True,
+                max_model_len=2048,
+            ),
+            port=0,
+            log_requests=False,
+        )
         s.start()
         assert s.wait_ready(120)
         yield s
@@ -57,8 +69,21 @@ def test_step_events_format(server):
         seen.append(e)
         if any(lane.get("finished") for lane in e["lanes"]):
             break
-    assert {"step", "t", "ms", "budget", "batch_tokens", "lanes", "preempted", "running", "waiting",
-            "swapped", "preemptions", "generated", "kv"} <= set(seen[0])
+    assert {
+        "step",
+        "t",
+        "ms",
+        "budget",
+        "batch_tokens",
+        "lanes",
+        "preempted",
+        "running",
+        "waiting",
+        "swapped",
+        "preemptions",
+        "generated",
+        "kv",
+    } <= set(seen[0])
     lanes = [lane for e in seen for lane in e["lanes"]]
     assert [lane["kind"] for lane in lanes] == ["prefill", "decode", "decode"]
     assert [lane["kv"] for lane in lanes] == [40, 41, 42] and lanes[-1]["finished"] == "length"
@@ -102,6 +127,7 @@ def test_missed_steps_are_only_a_watchers_own(monkeypatch):
 
     def numbers(texts: list[str]) -> list[int]:
         return [json.loads(t)["step"] for t in texts]
+
     run(3)  # nobody watches
     old = steps.start()
     run(2)
@@ -150,8 +176,12 @@ def test_a_new_watcher_starts_at_the_next_step_with_nothing_missed(server):
 
 
 def test_step_events_need_the_api_key(tiny):
-    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
-               api_key="sesame", log_requests=False)
+    s = Server(
+        EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"),
+        port=0,
+        api_key="sesame",
+        log_requests=False,
+    )
     s.start()
     try:
         assert s.wait_ready(120)
@@ -174,6 +204,7 @@ def browser():
         pytest.skip("no chromium/chromedriver on this machine (apt-get install chromium chromium-driver)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
@@ -186,6 +217,7 @@ def browser():
 
 def wait(driver, condition, timeout: float = 60):
     from selenium.webdriver.support.ui import WebDriverWait
+
     return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d))
 
 
@@ -261,8 +293,9 @@ def test_page_in_a_real_browser(server, browser, tmp_path):
     assert text(d, "g-browser") == "0"
     wait(d, lambda d: attr(d, "kv-stats", "used") == 0, timeout=10)
     # The load over, the gauges say so rather than keep the last step's numbers.
-    wait(d, lambda d: text(d, "g-step") == "idle" and text(d, "g-tps") == "0" and text(d, "g-running") == "0",
-         timeout=3)
+    wait(
+        d, lambda d: text(d, "g-step") == "idle" and text(d, "g-tps") == "0" and text(d, "g-running") == "0", timeout=3
+    )
     assert os.path.getsize(tmp_path / "page.png") > 10_000
     print(f"screenshot: {tmp_path / 'page.png'}")
     assert 0 < attr(d, "lanes", "rows") <= 300
@@ -291,10 +324,12 @@ def test_chat_leaves_sampling_to_the_server_and_marks_a_reply_cut_at_max_tokens(
     meta = bubble.find_element("css selector", ".meta")
     assert "finish_reason length" in meta.text
     # The stats line whole: in the panel's visible area, and nothing runs out of the panel's side.
-    inside = d.execute_script("""const m = arguments[0].getBoundingClientRect(),
+    inside = d.execute_script(
+        """const m = arguments[0].getBoundingClientRect(),
         box = document.getElementById("messages"), b = box.getBoundingClientRect();
         return [m.top >= b.top, m.bottom <= b.bottom + 0.5, m.right <= b.right, box.scrollWidth <= box.clientWidth];""",
-                              meta)
+        meta,
+    )
     assert inside == [True, True, True, True]
 
 
@@ -365,13 +400,17 @@ def test_step_events_mark_draft_rows(smollm2_shapes):
     import random
 
     import test_speculation
+
     from sequence import SamplingParams
+
     llm = test_speculation.engine(smollm2_shapes, 4)
     seen = []
     llm.on_step = lambda engine, out, outputs, seconds: seen.append(
-        events.step_event(len(seen), engine, out, outputs, seconds))
-    llm.generate([test_speculation.looping(random.Random(4), 30)],
-                 SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        events.step_event(len(seen), engine, out, outputs, seconds)
+    )
+    llm.generate(
+        [test_speculation.looping(random.Random(4), 30)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
     lanes = [e["lanes"][0] for e in seen]
     drafted = [lane for lane in lanes if lane.get("drafts")]
     assert drafted and all(lane["kind"] == "decode" for lane in lanes[1:])

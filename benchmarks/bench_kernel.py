@@ -1,6 +1,7 @@
 """Decode attention alone, on Llama-3-8B shapes: our CUDA kernel (on a GPU) or cpu.py's decode (on a CPU) beside
 the pure-PyTorch reference. Bandwidth counts the bytes that must be read (every sequence's K and V, their scales in
 an 8-bit cache, and Q): decode attention is memory-bound."""
+
 from __future__ import annotations
 
 import argparse
@@ -75,17 +76,21 @@ def run(args: argparse.Namespace) -> list[dict]:
                 lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
             except RuntimeError:  # the allocator's (CUDA's OutOfMemoryError is one); the sizes say more than its text
                 kv_gb = 2 * bs * nblk * block * kv_heads * dim * dtype.itemsize / 1e9
-                raise SystemExit(f"bench_kernel.py: error: batch {bs} at context {ctx} does not fit in {dev.type} "
-                                 f"memory (K and V alone take {kv_gb:.3g} GB): lower --batches or --contexts") from None
+                raise SystemExit(
+                    f"bench_kernel.py: error: batch {bs} at context {ctx} does not fit in {dev.type} "
+                    f"memory (K and V alone take {kv_gb:.3g} GB): lower --batches or --contexts"
+                ) from None
             row_bytes = dim * k.element_size() + 4 * bool(scales)  # a token's K (or V) of one KV head, its scale
             nbytes = 2 * bs * ctx * kv_heads * row_bytes + q.numel() * q.element_size()
             row = {"batch": bs, "context": ctx, "bytes": nbytes}
             try:
-                out, row["ours_ms"] = timed(lambda: ours(q, k, v, tables, lens, dim ** -0.5, **scales), cuda)
+                out, row["ours_ms"] = timed(lambda: ours(q, k, v, tables, lens, dim**-0.5, **scales), cuda)  # noqa: B023 (called at once)
             except RuntimeError as e:  # the kernel's build failed: its message says what is missing
                 raise SystemExit(f"bench_kernel.py: error: {e}") from None
-            ref, row["reference_ms"] = timed(lambda: attention_cuda.paged_attention(q, k, v, tables, lens,
-                                                                                  dim ** -0.5, **scales), cuda)
+            ref, row["reference_ms"] = timed(
+                lambda: attention_cuda.paged_attention(q, k, v, tables, lens, dim**-0.5, **scales),  # noqa: B023 (called at once)
+                cuda,
+            )
             row["max_abs_diff"] = float((out.float() - ref.float()).abs().max())
             rows.append(row)
     return rows
@@ -94,13 +99,19 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     from bench import _number
     from cli import ArgumentParser
+
     p = ArgumentParser(prog="bench_kernel.py", description=__doc__)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
-                   help="the cache read in 8 bits (codes and scales, dequantized by the kernel); auto: --dtype")
-    p.add_argument("--batches", type=_number(int), nargs="+",
-                   help="batch sizes (default 1..256 on CUDA, 1 4 16 on CPU)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", *KV_CACHE_DTYPES],
+        help="the cache read in 8 bits (codes and scales, dequantized by the kernel); auto: --dtype",
+    )
+    p.add_argument(
+        "--batches", type=_number(int), nargs="+", help="batch sizes (default 1..256 on CUDA, 1 4 16 on CPU)"
+    )
     p.add_argument("--contexts", type=_number(int), nargs="+", help="context lengths (default 512..8192 on CUDA)")
     p.add_argument("--time-limit", type=_number(float), default=300, help="seconds; the rows measured by then are kept")
     p.add_argument("--json", metavar="PATH", help="write the rows here")
@@ -114,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and (os.path.isdir(args.json) or not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK)):
         p.error(f"--json: cannot write {args.json}")
     rows = run(args)
-    print(f"{'context':>8}{'batch':>7}{'KV+Q MB':>10}{'ours ms':>10}{'GB/s':>9}{'ref ms':>10}{'GB/s':>9}"
-          f"{'speedup':>9}{'max|diff|':>11}")
+    print(
+        f"{'context':>8}{'batch':>7}{'KV+Q MB':>10}{'ours ms':>10}{'GB/s':>9}{'ref ms':>10}{'GB/s':>9}"
+        f"{'speedup':>9}{'max|diff|':>11}"
+    )
     for r in rows:
         mb = r["bytes"] / 1e6
-        print(f"{r['context']:>8}{r['batch']:>7}{mb:>10.1f}{r['ours_ms']:>10.3f}{mb / r['ours_ms']:>9.1f}"
-              f"{r['reference_ms']:>10.3f}{mb / r['reference_ms']:>9.1f}{r['reference_ms'] / r['ours_ms']:>9.1f}"
-              f"{r['max_abs_diff']:>11.2e}")
+        print(
+            f"{r['context']:>8}{r['batch']:>7}{mb:>10.1f}{r['ours_ms']:>10.3f}{mb / r['ours_ms']:>9.1f}"
+            f"{r['reference_ms']:>10.3f}{mb / r['reference_ms']:>9.1f}{r['reference_ms'] / r['ours_ms']:>9.1f}"
+            f"{r['max_abs_diff']:>11.2e}"
+        )
     copy = copy_bandwidth(args)
     print(f"device memory copy: {copy:.1f} GB/s (bytes read + written), the bandwidth the kernel can approach")
     if args.json:

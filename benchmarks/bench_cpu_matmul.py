@@ -1,7 +1,8 @@
 """The CPU matmul kernel (cpu_matmul) against oneDNN (cpu.PackedLinear; float32/bfloat16) and torch's int4 kernel
 (cpu.Int4Linear) on SmolLM2-135M's linear layers, at a few row counts: milliseconds per pass over all the
 layer shapes of one decoder block plus a 30th of the LM head, the fastest of a few passes.
-Usage: python bench_cpu_matmul.py [--rows 1 64 512]"""
+Usage: python -m benchmarks.bench_cpu_matmul [--rows 1 64 512]"""
+
 import argparse
 import time
 
@@ -33,7 +34,7 @@ def main() -> None:
     isa = cpu_matmul.isa()
     g = torch.Generator().manual_seed(0)
     for dtype, int4 in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-        weights = [torch.randn(n, k, generator=g).to(dtype) / k ** 0.5 for n, k in SHAPES]
+        weights = [torch.randn(n, k, generator=g).to(dtype) / k**0.5 for n, k in SHAPES]
         head = torch.randn(*HEAD, generator=g).to(dtype)
         for rows in a.rows:
             x = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (576, 1536)}
@@ -44,8 +45,11 @@ def main() -> None:
             t_ours = timed(ours, x, r) + timed([(head_ours, 576)], x, r) / 30
             t_theirs = timed(theirs, x, r) + timed([(head_theirs, 576)], x, r) / 30
             name = "int4" if int4 else str(dtype).removeprefix("torch.")
-            print(f"{name:9} rows {rows:4}: kernel {t_ours:7.3f} ms, {'torch int4' if int4 else 'oneDNN'} "
-                  f"{t_theirs:7.3f} ms ({t_theirs / t_ours:.2f}x)", flush=True)
+            print(
+                f"{name:9} rows {rows:4}: kernel {t_ours:7.3f} ms, {'torch int4' if int4 else 'oneDNN'} "
+                f"{t_theirs:7.3f} ms ({t_theirs / t_ours:.2f}x)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

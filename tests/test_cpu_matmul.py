@@ -1,6 +1,7 @@
 """The CPU matmul kernel (cpu_matmul): near the float64 product, and each row the same bits whatever the number of
 rows beside it, its place among them and the thread count, in every instruction set this CPU runs (AVX2 forced
 too), for float32, bfloat16, int4 and int8 weights. The lane tests run the engine on it (test_lanes.py)."""
+
 import os
 import subprocess
 import sys
@@ -14,15 +15,20 @@ import model
 
 ISAS = [name for name in cpu_matmul.ISAS if cpu_matmul.supported(name)]
 KINDS = [(dtype, quant) for quant in (None, "int4", "int8") for dtype in (torch.float32, torch.bfloat16)]
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 pytestmark = pytest.mark.skipif(not ISAS, reason="the kernel did not build, or this CPU has none of its ISAs")
 
 
 def layer(dtype: torch.dtype, quant: str | None, isa: str, n: int = 200, k: int = 96, seed: int = 0):
     """A kernel Linear of n outputs (not a multiple of its 64-column tiles) and the float64 weight it holds."""
     w = lin_weight(dtype, n, k, seed)
-    w64 = (cpu_matmul.dequantize_int4(*cpu_matmul.int4_groups(w, 32)) if quant == "int4" else
-           dequantize_int8(*cpu_matmul.int8_groups(w, 32)) if quant == "int8" else w.double())
+    w64 = (
+        cpu_matmul.dequantize_int4(*cpu_matmul.int4_groups(w, 32))
+        if quant == "int4"
+        else dequantize_int8(*cpu_matmul.int8_groups(w, 32))
+        if quant == "int8"
+        else w.double()
+    )
     return cpu_matmul.Linear(w, cpu_matmul.ISAS[isa], quant), w64
 
 
@@ -50,8 +56,9 @@ def test_near_the_float64_product(isa, dtype, quant):
     # float32 accumulation: at most K roundings of the running sum (bounded by |x| |w|); then bfloat16's output
     # rounding, half an ulp. int4 and int8 round x to 16 bits per group of 32 (amax / 65534 off at most) against
     # (q - 8) * scale and q * scale.
-    bound = 576 * 2.0 ** -24 * (x.double().abs() @ w64.abs().T) * 2 + exact.abs() * (2.0 ** -8 if dtype ==
-                                                                                        torch.bfloat16 else 0)
+    bound = 576 * 2.0**-24 * (x.double().abs() @ w64.abs().T) * 2 + exact.abs() * (
+        2.0**-8 if dtype == torch.bfloat16 else 0
+    )
     if quant == "int4":
         q, scale, lo = cpu_matmul.int4_groups(lin_weight(dtype), 32)
         centred = ((q.double().view(200, 18, 32) - 8) * scale.double()[..., None]).abs().sum(-1)  # [n, groups]
@@ -138,7 +145,7 @@ def test_rms_norm(dtype):
     y = kernel(x)
     exact = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
     # float32's sum of squares: 576 roundings at most, halved by the square root; then the roundings to dtype.
-    rel = 576 * 2.0 ** -24 + (2 * 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -22)  # unit roundoff 2^-8
+    rel = 576 * 2.0**-24 + (2 * 2.0**-8 if dtype == torch.bfloat16 else 2.0**-22)  # unit roundoff 2^-8
     want = exact * norm.weight.detach().double()
     assert ((y.double() - want).abs() <= want.abs() * rel + 1e-30).all()
     threads = torch.get_num_threads()
@@ -174,8 +181,12 @@ def test_rope_store_is_the_torch_forms_rope_and_store(dtype):
     for a, b in zip(torch_form, kernel):
         assert torch.equal(a, b) and a.isfinite().all()
     for i in (0, 4, 8):
-        assert torch.equal(torch.ops.laneserve_cpu.rope_store(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], *kernel,
-                                                              slots[i:i + 1], 3), q[i:i + 1])
+        assert torch.equal(
+            torch.ops.laneserve_cpu.rope_store(
+                qkv[i : i + 1], cos[i : i + 1], sin[i : i + 1], *kernel, slots[i : i + 1], 3
+            ),
+            q[i : i + 1],
+        )
     with pytest.raises(RuntimeError, match="past the cache"):
         torch.ops.laneserve_cpu.rope_store(qkv, cos, sin, *kernel, slots + 32, 3)
     with pytest.raises(RuntimeError, match="rope_store"):
@@ -195,8 +206,16 @@ def test_a_residual_is_added_as_torch_adds(dtype, quant):
 def test_fused_block_is_block_forward(dtype, quant):
     # cpu.optimize's FusedBlock gives Block.forward's logits bit for bit over a step of prompt pieces and decodes.
     from engine import LLM, SamplingParams
-    llm = LLM(model="smollm2-135m", dummy_weights=True, device="cpu", dtype=dtype, quantization=quant,
-              num_kv_blocks=64, max_num_batched_tokens=48)
+
+    llm = LLM(
+        model="smollm2-135m",
+        dummy_weights=True,
+        device="cpu",
+        dtype=dtype,
+        quantization=quant,
+        num_kv_blocks=64,
+        max_num_batched_tokens=48,
+    )
     layers = llm.runner.model.layers
     assert all(isinstance(layer.forward, cpu.FusedBlock) for layer in layers)
     logits, forward = [], model.Transformer.forward
@@ -204,8 +223,11 @@ def test_fused_block_is_block_forward(dtype, quant):
     def kept(*args):
         logits.append(forward(*args))
         return logits[-1]
-    prompts, greedy = ["a longer prompt than the other one, cut in pieces " * 3, "hello"], SamplingParams(
-        temperature=0, max_tokens=6, ignore_eos=True)
+
+    prompts, greedy = (
+        ["a longer prompt than the other one, cut in pieces " * 3, "hello"],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model.Transformer, "forward", kept)
         fused = llm.generate(prompts, greedy)
@@ -219,9 +241,15 @@ def test_fused_block_is_block_forward(dtype, quant):
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next():
     # torch's lock file, as a process killed inside torch's load leaves it: the next process still loads.
     from torch.utils.cpp_extension import _get_build_directory
+
     lock = os.path.join(_get_build_directory("laneserve_cpu_matmul", False), "lock")
     open(lock, "w").close()
-    out = subprocess.run([sys.executable, "-c", "import cpu_matmul; print(cpu_matmul._load())"], cwd=HERE,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import cpu_matmul; print(cpu_matmul._load())"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == "True", out.stderr[-2000:]
     assert not os.path.exists(lock)

@@ -1,6 +1,7 @@
 """HTTP/1.1 on the standard library's http.server, for an API whose every answer is JSON or a stream: request
 bodies (Content-Length or chunked), answers, server-sent events, the client-gone check, CORS, and every refusal,
 http.server's own included, in OpenAI's error JSON. The routes are a subclass's (serve.py)."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,15 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from openai_api import ApiError
+from server.errors import ApiError
 
 
 class HTTPServer(ThreadingHTTPServer):
     """A thread per connection. `app` holds the settings handlers read: timeout (seconds per socket operation),
     max_body (bytes), allowed_origins, log (the access log's file, or None)."""
+
     request_queue_size = 1024  # the default backlog of 5 resets clients that connect all at once
-    block_on_close = False     # stopping must not wait for idle keep-alive connections
+    block_on_close = False  # stopping must not wait for idle keep-alive connections
 
     def __init__(self, address: tuple[str, int], handler: type, app):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET  # ::1 and the like
@@ -51,6 +53,7 @@ class HTTPServer(ThreadingHTTPServer):
 
 class RequestHandler(BaseHTTPRequestHandler):
     """Reads a request, hands it to `route`, and answers an ApiError it raises in OpenAI's JSON."""
+
     protocol_version = "HTTP/1.1"  # keep-alive, which the openai client uses; streams go chunked
     default_request_version = "HTTP/1.1"  # a request line without a version still gets a status line
     server_version = "laneserve"
@@ -110,13 +113,22 @@ class RequestHandler(BaseHTTPRequestHandler):
         began, self.status, self.log_info = time.monotonic(), 0, {}
         if self.command == "OPTIONS" and self._origin() and self.headers.get("Access-Control-Request-Method"):
             # A browser's CORS preflight (it carries no API key): which methods and headers the request may use.
-            self._head(204, [("Access-Control-Allow-Methods", "GET, POST"), ("Access-Control-Max-Age", "600"),
-                             ("Access-Control-Allow-Headers", self.headers.get("Access-Control-Request-Headers", "")),
-                             ("Content-Length", "0")])
+            self._head(
+                204,
+                [
+                    ("Access-Control-Allow-Methods", "GET, POST"),
+                    ("Access-Control-Max-Age", "600"),
+                    ("Access-Control-Allow-Headers", self.headers.get("Access-Control-Request-Headers", "")),
+                    ("Content-Length", "0"),
+                ],
+            )
             return
         method = "GET" if self.command == "HEAD" else self.command  # HEAD: GET's headers, no body
-        if method != "POST" and (method != "GET" or "Transfer-Encoding" in self.headers
-                                 or self.headers.get("Content-Length", "0").strip() != "0"):
+        if method != "POST" and (
+            method != "GET"
+            or "Transfer-Encoding" in self.headers
+            or self.headers.get("Content-Length", "0").strip() != "0"
+        ):
             self.close_connection = True  # a body it may carry stays unread: it must not pass for the next request
         try:
             try:
@@ -137,8 +149,12 @@ class RequestHandler(BaseHTTPRequestHandler):
         if self.app.log:
             info = "".join(f" {k}={v:.3f}s" if isinstance(v, float) else f" {k}={v}" for k, v in self.log_info.items())
             # No status sent: the client left before its answer began, logged as nginx's 499 "client closed request".
-            print(f'{self.client_address[0]} "{self.command} {self.path[:200]}" {self.status or 499}{info} '
-                  f'duration={time.monotonic() - began:.3f}s', file=self.app.log, flush=True)
+            print(
+                f'{self.client_address[0]} "{self.command} {self.path[:200]}" {self.status or 499}{info} '
+                f"duration={time.monotonic() - began:.3f}s",
+                file=self.app.log,
+                flush=True,
+            )
 
     def _read_body(self) -> bytes:
         coding = self.headers.get("Transfer-Encoding")
@@ -148,8 +164,10 @@ class RequestHandler(BaseHTTPRequestHandler):
             raise ApiError(400, "conflicting Content-Length headers")
         if not chunked and (not 0 <= length <= self.app.max_body or coding is not None):
             if coding is not None:  # another coding, or both headers (a request-smuggling pattern)
-                raise ApiError(501 if "Content-Length" not in self.headers else 400,
-                               f"Transfer-Encoding {coding[:50]!r}: only 'chunked', without a Content-Length")
+                raise ApiError(
+                    501 if "Content-Length" not in self.headers else 400,
+                    f"Transfer-Encoding {coding[:50]!r}: only 'chunked', without a Content-Length",
+                )
             if length > self.app.max_body:
                 # Read and drop a body of up to 8 times the limit first: a client that sends all of its
                 # body before reading the answer would find the connection reset instead of the 413.
@@ -208,8 +226,14 @@ class RequestHandler(BaseHTTPRequestHandler):
         # HTTP/1.0 has no chunked coding: there the stream ends when the connection closes.
         self.chunked = self.request_version == "HTTP/1.1"
         self.close_connection = self.close_connection or not self.chunked
-        self._head(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                         ("Transfer-Encoding", "chunked") if self.chunked else ("Connection", "close")])
+        self._head(
+            200,
+            [
+                ("Content-Type", "text/event-stream"),
+                ("Cache-Control", "no-cache"),
+                ("Transfer-Encoding", "chunked") if self.chunked else ("Connection", "close"),
+            ],
+        )
 
     def _event(self, obj: dict | str) -> None:
         self._chunk(f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode())

@@ -6,6 +6,7 @@ not content. Events go to a ring of the last `capacity`; each watcher reads from
 while nobody watched are no watcher's. The engine thread only appends and notifies, so no watcher can slow
 a step. Each event carries `t`, the server's monotonic clock when the step ended, so that a watcher that
 reads a backlog at once still times the steps as they ran."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ MAX_CACHED_IDS = 4096  # cached-but-free block ids sent per step; the count is a
 class StepEvents:
     def __init__(self, capacity: int = 512):
         self.ring: deque[tuple[int, str]] = deque(maxlen=capacity)  # (step number, JSON)
-        self.step = 0      # steps seen, watched or not
+        self.step = 0  # steps seen, watched or not
         self.watchers = 0  # while 0, steps are counted but no event is built
         self.cond = threading.Condition()
 
@@ -70,8 +71,13 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
         drafts, accepted = getattr(s, "verified", {}).get(seq.request_id, (0, 0)) if n else (0, 0)
         before = seq.num_computed_tokens - (n - drafts + accepted)  # the tokens it had computed when the step began
         kind = "idle" if n == 0 else "prefill" if n - drafts > 1 or before < seq.num_prompt_tokens else "decode"
-        d = {"id": seq.request_id, "kind": kind, "tokens": n, "kv": seq.num_computed_tokens,
-             "blocks": list(seq.block_table)}
+        d = {
+            "id": seq.request_id,
+            "kind": kind,
+            "tokens": n,
+            "kv": seq.num_computed_tokens,
+            "blocks": list(seq.block_table),
+        }
         if n and before == seq.num_cached_tokens > 0:
             d["hit"] = seq.num_cached_tokens
         if drafts:  # its draft rows this step, and how many were accepted
@@ -81,14 +87,30 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
         if seq.request_id in finished:
             d["finished"] = finished[seq.request_id]
         return d
+
     lanes = [lane(seq, n) for seq, n in out.scheduled] + [lane(seq, 0) for seq in s.running if id(seq) not in scheduled]
     cached = [b for b in bm.free_blocks if bm.block_hash[b] is not None]
-    return {"step": number, "t": round(time.monotonic(), 3), "ms": round(seconds * 1000, 2),
-            "budget": engine.config.max_num_batched_tokens, "batch_tokens": sum(scheduled.values()), "lanes": lanes,
-            "preempted": [{"id": seq.request_id, "mode": "swap" if seq.status is Status.SWAPPED else "recompute"}
-                          for seq in out.preempted],
-            "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
-            "preemptions": s.num_preemptions, "generated": engine.num_generation_tokens,
-            "kv": {"blocks": bm.num_blocks, "free": bm.num_free_blocks, "cached": len(cached),
-                   "cached_ids": cached[:MAX_CACHED_IDS],
-                   "swap_used": s.swap_space.num_blocks - s.swap_space.num_free_blocks}}
+    return {
+        "step": number,
+        "t": round(time.monotonic(), 3),
+        "ms": round(seconds * 1000, 2),
+        "budget": engine.config.max_num_batched_tokens,
+        "batch_tokens": sum(scheduled.values()),
+        "lanes": lanes,
+        "preempted": [
+            {"id": seq.request_id, "mode": "swap" if seq.status is Status.SWAPPED else "recompute"}
+            for seq in out.preempted
+        ],
+        "running": len(s.running),
+        "waiting": len(s.waiting),
+        "swapped": len(s.swapped),
+        "preemptions": s.num_preemptions,
+        "generated": engine.num_generation_tokens,
+        "kv": {
+            "blocks": bm.num_blocks,
+            "free": bm.num_free_blocks,
+            "cached": len(cached),
+            "cached_ids": cached[:MAX_CACHED_IDS],
+            "swap_used": s.swap_space.num_blocks - s.swap_space.num_free_blocks,
+        },
+    }

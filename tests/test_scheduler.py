@@ -1,5 +1,6 @@
 """The scheduler under pressure: preemption (recompute and swap), prefix caching, static mode,
 stop strings, logprobs and configuration checks, all through the real engine."""
+
 import hashlib
 import os
 import random
@@ -12,14 +13,15 @@ import torch
 from engine import LLM, SamplingParams
 from kv_cache import BlockManager, KVCache, KVShape
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
-         "every jolly sphinx of black quartz near my river bank").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+    "every jolly sphinx of black quartz near my river bank"
+).split()
 
 
 def make_prompts(llm, n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [llm.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))))
-            for _ in range(n)]
+    return [llm.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))) for _ in range(n)]
 
 
 def run(llm, prompts, params) -> list[list[int]]:
@@ -113,20 +115,37 @@ def finish_steps(engine, prompts, params) -> list[int]:
 @pytest.mark.slow
 def test_static_vs_continuous_mixed_workload(tiny):
     # Scheduling order, not numerics: a tiny model keeps these 200-odd steps quick.
-    engines = {mode: LLM(model=tiny, dummy_weights=True, num_kv_blocks=512, max_num_batched_tokens=256,
-                         scheduling=mode, max_num_seqs=8, device="cpu") for mode in ("continuous", "static")}
+    engines = {
+        mode: LLM(
+            model=tiny,
+            dummy_weights=True,
+            num_kv_blocks=512,
+            max_num_batched_tokens=256,
+            scheduling=mode,
+            max_num_seqs=8,
+            device="cpu",
+        )
+        for mode in ("continuous", "static")
+    }
     prompts = make_prompts(engines["static"], 16, seed=5)
-    params = ([SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 8
-              + [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * 8)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 8 + [
+        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ] * 8
     # Continuous, 8 sequences: every short request is done before any long one.
-    order = finish_steps(engines["continuous"], prompts[:4] + prompts[8:12] + prompts[4:8] + prompts[12:],
-                         params[:4] + params[8:12] + params[4:8] + params[12:])
+    order = finish_steps(
+        engines["continuous"],
+        prompts[:4] + prompts[8:12] + prompts[4:8] + prompts[12:],
+        params[:4] + params[8:12] + params[4:8] + params[12:],
+    )
     short, long = order[:4] + order[8:12], order[4:8] + order[12:]
     assert max(short) < min(long)
     # Static, same arrival order: the first batch mixes 4 short and 4 long requests, and its short
     # ones come back only with its longest sequence; the remaining shorts wait for that whole batch.
-    order = finish_steps(engines["static"], prompts[:4] + prompts[8:12] + prompts[4:8] + prompts[12:],
-                         params[:4] + params[8:12] + params[4:8] + params[12:])
+    order = finish_steps(
+        engines["static"],
+        prompts[:4] + prompts[8:12] + prompts[4:8] + prompts[12:],
+        params[:4] + params[8:12] + params[4:8] + params[12:],
+    )
     first_batch = order[:8]
     assert len(set(first_batch)) == 1
     assert min(order[8:12]) > max(first_batch)
@@ -186,9 +205,20 @@ def test_logprobs(roomy):
         assert lp.logprob <= 0
 
 
-@pytest.mark.parametrize("bad", [dict(block_size=12), dict(max_num_batched_tokens=8), dict(max_model_len=10**6),
-                                 dict(num_kv_blocks=-1), dict(max_num_seqs=0), dict(scheduling="fifo"),
-                                 dict(preemption_mode="drop"), dict(kv_cache_memory=-1), dict(kv_cache_dtype="fp8")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_size=12),
+        dict(max_num_batched_tokens=8),
+        dict(max_model_len=10**6),
+        dict(num_kv_blocks=-1),
+        dict(max_num_seqs=0),
+        dict(scheduling="fifo"),
+        dict(preemption_mode="drop"),
+        dict(kv_cache_memory=-1),
+        dict(kv_cache_dtype="fp8"),
+    ],
+)
 def test_impossible_config_rejected(bad):
     with pytest.raises(ValueError):
         LLM(device="cpu", **bad)
@@ -224,18 +254,30 @@ def test_stop_strings_count_from_min_tokens_on(tiny):
     a = SamplingParams(temperature=0, max_tokens=5, logit_bias={ord("a"): 100}, ignore_eos=True, stop=["a"])
     for min_tokens, text in [(0, ""), (1, ""), (2, "a"), (5, "aaaa")]:
         out = llm.generate([[ord("x")]], replace(a, min_tokens=min_tokens))[0]
-        assert (out.text, out.finish_reason, out.stop_reason, len(out.token_ids)) == (text, "stop", "a",
-                                                                                       max(min_tokens, 1))
+        assert (out.text, out.finish_reason, out.stop_reason, len(out.token_ids)) == (
+            text,
+            "stop",
+            "a",
+            max(min_tokens, 1),
+        )
 
 
 def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):
     # --max-num-seqs 256 --max-num-batched-tokens 256: while 250 sequences decode, a 4,000-token prompt takes
     # the 6 tokens a step they leave (cut anywhere), so its prefill ends after ceil(4000 / 6) steps. The
     # forward pass is stubbed: this is about who runs, not what they compute.
-    llm = LLM(model=tiny, dummy_weights=True, max_num_seqs=256, max_num_batched_tokens=256, num_kv_blocks=20000,
-              dtype="float32", device="cpu")
-    llm.runner.run = lambda scheduled, swap_out, swap_in: [(s, 7, None, None, None) for s, n in scheduled
-                                        if s.num_computed_tokens + n == s.num_tokens]
+    llm = LLM(
+        model=tiny,
+        dummy_weights=True,
+        max_num_seqs=256,
+        max_num_batched_tokens=256,
+        num_kv_blocks=20000,
+        dtype="float32",
+        device="cpu",
+    )
+    llm.runner.run = lambda scheduled, swap_out, swap_in: [
+        (s, 7, None, None, None) for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens
+    ]
     for i in range(250):
         llm.add_request([5 + i], SamplingParams(max_tokens=5000, ignore_eos=True))
     llm.step()
@@ -273,11 +315,11 @@ def test_cache_salt_isolates_prefixes(tiny):
 
     alone = LLM(**knobs).generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
     assert run(llm, "tenant a") == (0, alone)
-    assert run(llm, "tenant b") == (0, alone)   # another salt: its own blocks
-    assert run(llm, None) == (0, alone)         # no salt: not tenant a's either
+    assert run(llm, "tenant b") == (0, alone)  # another salt: its own blocks
+    assert run(llm, None) == (0, alone)  # no salt: not tenant a's either
     assert run(llm, "tenant a") == (48, alone)  # the same salt shares, and changes no bit
     assert run(llm, None) == (48, alone)
-    assert len(llm.block_manager.cached) == 9   # 3 keyed blocks for each of the three salts
+    assert len(llm.block_manager.cached) == 9  # 3 keyed blocks for each of the three salts
     isolated = LLM(enable_prefix_caching=True, prefix_cache_isolation=True, **knobs)
     assert [run(isolated, None)[0] for _ in range(2)] == [0, 0]
     assert [run(isolated, "shared")[0] for _ in range(2)] == [0, 48]

@@ -1,6 +1,7 @@
 """serve.py through HTTP: the official openai client (sync and async), SSE shape, usage, n, seeds, stop
 strings, logprobs; 64 concurrent streams with disconnects; hostile inputs; continuous batching seen from
 outside; the CLI. One in-process server on loopback serves most tests."""
+
 import argparse
 import asyncio
 import collections
@@ -31,7 +32,7 @@ from conftest import serving, serving_tiny
 from serve import Server, main, sampling_note
 from tokenizer import read_chat_template
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # as in the server fixture
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -45,8 +46,11 @@ def server():
     # max_num_seqs=16: 16-row matmul tiles (cpu.row_tile) instead of 64, for the few requests at a time here.
     s = Server(EngineConfig(num_kv_blocks=512, max_num_seqs=16, device="cpu", dtype="float32"), port=0)
     s.start()
-    s.while_loading = [request(s, "GET", "/health")[0], request(s, "GET", "/v1/models")[0],
-                       request(s, "POST", "/v1/chat/completions", VALID)[0]]
+    s.while_loading = [
+        request(s, "GET", "/health")[0],
+        request(s, "GET", "/v1/models")[0],
+        request(s, "POST", "/v1/chat/completions", VALID)[0],
+    ]
     assert s.wait_ready(300)
     yield s
     s.stop()
@@ -64,8 +68,10 @@ def engine_drained(request):
     yield
     if "server" in request.fixturenames:
         server = request.getfixturevalue("server")
-        m = wait_metrics(server, lambda m: m["num_requests_running"] == m["num_requests_waiting"] == 0
-                         and m["kv_cache_usage_perc"] == 0)
+        m = wait_metrics(
+            server,
+            lambda m: m["num_requests_running"] == m["num_requests_waiting"] == 0 and m["kv_cache_usage_perc"] == 0,
+        )
         assert m["kv_cache_usage_perc"] == 0 and m["num_requests_running"] == 0, m
 
 
@@ -82,8 +88,10 @@ def request(server, method: str, path: str, body: bytes | dict | None = None, he
 def metrics(server) -> dict[str, float]:
     status, text = request(server, "GET", "/metrics")
     assert status == 200
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^vllm:(\w+)\{model_name="[^"]+"\} (\S+)$', text.decode(), re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^vllm:(\w+)\{model_name="[^"]+"\} (\S+)$', text.decode(), re.M)
+    }
 
 
 def wait_metrics(server, ok, timeout: float = 20) -> dict[str, float]:
@@ -99,9 +107,16 @@ def test_health_models_and_metrics(server):
     status, body = request(server, "GET", "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "smollm2-135m"
     text = request(server, "GET", "/metrics")[1].decode()
-    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total"]:
+    for name in [
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+    ]:
         assert f"# TYPE vllm:{name} " in text
     assert '\nvllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="512"} 1\n' in text
     for name in ["time_to_first_token_seconds", "inter_token_latency_seconds"]:
@@ -146,15 +161,20 @@ def test_a_waiting_request_wakes_its_thread_once_a_second(monkeypatch):
                 if block and timeout is not None:
                     timeouts.append(time.monotonic())
                 raise
+
     monkeypatch.setattr(queue, "Queue", Counted)
     with serving_tiny(max_num_seqs=1, log_requests=False) as s:
         running = http.client.HTTPConnection(s.host, s.port, timeout=60)
-        running.request("POST", "/v1/completions", json.dumps({"prompt": "a", "max_tokens": 8000, "stream": True,
-                                                               "ignore_eos": True}))
+        running.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "a", "max_tokens": 8000, "stream": True, "ignore_eos": True}),
+        )
         events = running.getresponse()
         events.readline()  # it runs: the next request waits
-        waiting = threading.Thread(target=request,
-                                   args=(s, "POST", "/v1/completions", {"prompt": "b", "max_tokens": 2}))
+        waiting = threading.Thread(
+            target=request, args=(s, "POST", "/v1/completions", {"prompt": "b", "max_tokens": 2})
+        )
         waiting.start()
         assert wait_metrics(s, lambda m: m["num_requests_waiting"] == 1)["num_requests_waiting"] == 1
         began = time.monotonic()
@@ -168,8 +188,9 @@ def test_a_waiting_request_wakes_its_thread_once_a_second(monkeypatch):
 
 def test_chat(server, client):
     before = metrics(server)
-    r = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0,
-                                       logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and choice.message.content
@@ -186,8 +207,16 @@ def test_chat(server, client):
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == r.usage.completion_tokens
 
     # The same request streamed: the same text, in OpenAI's chunk shapes, usage last.
-    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=CHAT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert {c.id for c in chunks} == {chunks[0].id} and all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
@@ -197,8 +226,10 @@ def test_chat(server, client):
 
 
 def test_chat_content_parts_and_roles(client):
-    parts = [{"role": "developer", "content": "Be brief."},
-             {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]
+    parts = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
+    ]
     alias = os.path.basename(weights.resolve_checkpoint())  # the checkpoint's file name names the model too
     r = client.chat.completions.create(model=alias, messages=parts, max_completion_tokens=3)
     assert r.usage.completion_tokens <= 3 and r.model == "smollm2-135m"
@@ -206,29 +237,35 @@ def test_chat_content_parts_and_roles(client):
 
 def test_completions(server, client):
     tok = server.engine.tokenizer
-    r = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=6,
-                                  temperature=0, logprobs=2)
+    r = client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=6, temperature=0, logprobs=2
+    )
     choice = r.choices[0]
     assert r.object == "text_completion" and choice.text and choice.finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens == len(tok.encode("The capital of France is"))
     assert r.usage.completion_tokens == len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
     # The sampled token's logprob is always among the top ones (OpenAI: up to logprobs + 1 entries).
-    assert all(len(top) <= 3 and top[t] == lp for t, lp, top in zip(choice.logprobs.tokens,
-                                                                  choice.logprobs.token_logprobs,
-                                                                  choice.logprobs.top_logprobs))
+    assert all(
+        len(top) <= 3 and top[t] == lp
+        for t, lp, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs)
+    )
     assert choice.logprobs.text_offset[0] == 0
     # echo gives a text prompt back as sent, even one that does not survive tokenizing (\x04 has no token)
     assert tok.decode(tok.encode("a\x04b")) == "ab"
     r = client.completions.create(model="smollm2-135m", prompt="a\x04b", max_tokens=1, echo=True)
     assert r.choices[0].text.startswith("a\x04b")
-    streamed = list(client.completions.create(model="smollm2-135m", prompt="The capital of France is",
-                                              max_tokens=6, temperature=0, stream=True))
+    streamed = list(
+        client.completions.create(
+            model="smollm2-135m", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == choice.text
 
     # A list of prompts (text and token ids) times n: choices indexed prompt-major, prompts counted once.
     ids = tok.encode("Once upon a time")
-    r = client.completions.create(model="smollm2-135m", prompt=["Hello", ids], n=2, max_tokens=3,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="smollm2-135m", prompt=["Hello", ids], n=2, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.usage.prompt_tokens == len(tok.encode("Hello")) + len(ids)
     assert r.usage.completion_tokens == 12
@@ -238,8 +275,7 @@ def test_completions(server, client):
 
 def test_streamed_text_offsets_are_the_whole_replys(client):
     """completions' text_offset streamed as in the whole reply, also while a stop string's start is held back."""
-    args = dict(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[" 6, 7"],
-                logprobs=0)
+    args = dict(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[" 6, 7"], logprobs=0)
     whole = client.completions.create(**args).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices]
     assert "".join(c.text for c in chunks) == whole.text
@@ -248,8 +284,16 @@ def test_streamed_text_offsets_are_the_whole_replys(client):
 
 def test_n_and_seed(client):
     def run():
-        return client.completions.create(model="smollm2-135m", prompt="Once upon a time", n=2, max_tokens=6,
-                                         temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+        return client.completions.create(
+            model="smollm2-135m",
+            prompt="Once upon a time",
+            n=2,
+            max_tokens=6,
+            temperature=1.0,
+            seed=1234,
+            extra_body={"ignore_eos": True},
+        )
+
     a, b = run(), run()
     texts = [c.text for c in a.choices]
     assert texts == [c.text for c in b.choices]
@@ -258,36 +302,60 @@ def test_n_and_seed(client):
 
 
 def test_chat_n2_stream(client):
-    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=CHAT, n=2, max_tokens=4, seed=5,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="smollm2-135m", messages=CHAT, n=2, max_tokens=4, seed=5, stream=True)
+    )
     finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
     assert set(finished) == {0, 1}
 
 
 def test_stop_strings(client):
-    full = client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
-                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        client.completions.create(
+            model="smollm2-135m",
+            prompt="List three colors:",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
     words = full.split()
     assert len(words) >= 3
     stop = words[2]
-    head = full[:full.index(stop)]
-    r = client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
-                                  temperature=0, stop=[stop, "never appears"])
+    head = full[: full.index(stop)]
+    r = client.completions.create(
+        model="smollm2-135m", prompt="List three colors:", max_tokens=12, temperature=0, stop=[stop, "never appears"]
+    )
     assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].stop_reason) == (head, "stop", stop)
-    streamed = list(client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=12,
-                                              temperature=0, stop=stop, stream=True))
+    streamed = list(
+        client.completions.create(
+            model="smollm2-135m", prompt="List three colors:", max_tokens=12, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == head
     assert [c.choices[0].stop_reason for c in streamed] == [None] * (len(streamed) - 1) + [stop]
     # vLLM's stop_reason: the stop string or stop token id that ended a reply; None for EOS or the length.
-    assert client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=2,
-                                     temperature=0).choices[0].stop_reason is None
+    assert (
+        client.completions.create(model="smollm2-135m", prompt="List three colors:", max_tokens=2, temperature=0)
+        .choices[0]
+        .stop_reason
+        is None
+    )
 
 
 def test_penalties_and_sampling_knobs(client):
-    r = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=4, presence_penalty=1.5,
-                                       frequency_penalty=1.0, top_p=0.9, seed=3,
-                                       extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
-                                                   "min_tokens": 2, "logit_bias": {"11": 5}})
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=CHAT,
+        max_tokens=4,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        top_p=0.9,
+        seed=3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 2, "logit_bias": {"11": 5}},
+    )
     assert 2 <= r.usage.completion_tokens <= 4
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=4, presence_penalty=3)
@@ -303,6 +371,7 @@ def test_async_client(server):
         r = await plain
         await client.close()
         return r, text
+
     r, text = asyncio.run(go())
     assert r.choices[0].message.content and text
 
@@ -310,8 +379,10 @@ def test_async_client(server):
 def test_non_streaming_disconnect_aborts(server):
     body = json.dumps({"model": "smollm2-135m", "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True}).encode()
     sock = socket.create_connection((server.host, server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     assert wait_metrics(server, lambda m: m["kv_cache_usage_perc"] > 0)["num_requests_running"] == 1
     sock.close()
     m = wait_metrics(server, lambda m: m["num_requests_running"] == 0, timeout=10)
@@ -324,15 +395,19 @@ def test_short_requests_finish_before_long_one(server, client):
     long_started = threading.Event()
 
     def long():
-        stream = client.completions.create(model="smollm2-135m", prompt="Write a long story:", max_tokens=24,
-                                           stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="smollm2-135m",
+            prompt="Write a long story:",
+            max_tokens=24,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         for _ in stream:
             long_started.set()
         finished["long"] = time.monotonic()
 
     def short(i: int):
-        client.completions.create(model="smollm2-135m", prompt=f"Hi {i}", max_tokens=2,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(model="smollm2-135m", prompt=f"Hi {i}", max_tokens=2, extra_body={"ignore_eos": True})
         finished[f"short{i}"] = time.monotonic()
 
     threads = [threading.Thread(target=long)]
@@ -350,40 +425,43 @@ def test_short_requests_finish_before_long_one(server, client):
 VALID = {"model": "smollm2-135m", "messages": CHAT, "max_tokens": 2}
 
 
-@pytest.mark.parametrize("body,status,param", [
-    (b"{not json", 400, None),
-    (b'{"model": "\xff\xfe"}', 400, None),                 # invalid UTF-8
-    (b"[1, 2]", 400, None),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
-    (b"[" * 100000 + b"]" * 100000, 400, None),
-    ({**VALID, "max_tokens": "8"}, 400, "max_tokens"),
-    ({**VALID, "max_tokens": -1}, 400, "max_tokens"),
-    ({**VALID, "max_tokens": 10**12}, 400, "max_tokens"),
-    ({**VALID, "temperature": "hot"}, 400, "temperature"),
-    ({**VALID, "temperature": -1}, 400, "temperature"),
-    ({**VALID, "stream": "yes"}, 400, "stream"),
-    ({**VALID, "n": 0}, 400, "n"),
-    ({**VALID, "stop": [1]}, 400, "stop"),
-    ({**VALID, "stop": ""}, 400, "stop"),
-    ({**VALID, "stop": ["done", ""]}, 400, "stop"),
-    ({**VALID, "stop": ["x" * 10000]}, 400, "stop"),
-    ({**VALID, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
-    ({**VALID, "top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
-    ({**VALID, "user": 5}, 400, "user"),
-    ({**VALID, "stream_options": {"include_usage": True}}, 400, "stream_options"),  # not streamed
-    ({**VALID, "stream": True, "stream_options": "x"}, 400, "stream_options"),
-    ({**VALID, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
-    ({**VALID, "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
-    ({**VALID, "logit_bias": {"49152": 1}}, 400, "logit_bias"),  # past the vocabulary
-    ({**VALID, "stop_token_ids": [49152]}, 400, "stop_token_ids"),
-    ({**VALID, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ({**VALID, "messages": []}, 400, "messages"),
-    ({**VALID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-    ({**VALID, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
-    ({**VALID, "messages": "hi"}, 400, "messages"),
-    ({**VALID, "model": "gpt-4"}, 404, "model"),
-    ({**VALID, "model": 7}, 400, "model"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        (b"{not json", 400, None),
+        (b'{"model": "\xff\xfe"}', 400, None),  # invalid UTF-8
+        (b"[1, 2]", 400, None),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+        (b"[" * 100000 + b"]" * 100000, 400, None),
+        ({**VALID, "max_tokens": "8"}, 400, "max_tokens"),
+        ({**VALID, "max_tokens": -1}, 400, "max_tokens"),
+        ({**VALID, "max_tokens": 10**12}, 400, "max_tokens"),
+        ({**VALID, "temperature": "hot"}, 400, "temperature"),
+        ({**VALID, "temperature": -1}, 400, "temperature"),
+        ({**VALID, "stream": "yes"}, 400, "stream"),
+        ({**VALID, "n": 0}, 400, "n"),
+        ({**VALID, "stop": [1]}, 400, "stop"),
+        ({**VALID, "stop": ""}, 400, "stop"),
+        ({**VALID, "stop": ["done", ""]}, 400, "stop"),
+        ({**VALID, "stop": ["x" * 10000]}, 400, "stop"),
+        ({**VALID, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
+        ({**VALID, "top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
+        ({**VALID, "user": 5}, 400, "user"),
+        ({**VALID, "stream_options": {"include_usage": True}}, 400, "stream_options"),  # not streamed
+        ({**VALID, "stream": True, "stream_options": "x"}, 400, "stream_options"),
+        ({**VALID, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
+        ({**VALID, "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
+        ({**VALID, "logit_bias": {"49152": 1}}, 400, "logit_bias"),  # past the vocabulary
+        ({**VALID, "stop_token_ids": [49152]}, 400, "stop_token_ids"),
+        ({**VALID, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        ({**VALID, "messages": []}, 400, "messages"),
+        ({**VALID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+        ({**VALID, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+        ({**VALID, "messages": "hi"}, 400, "messages"),
+        ({**VALID, "model": "gpt-4"}, 404, "model"),
+        ({**VALID, "model": 7}, 400, "model"),
+    ],
+)
 def test_bad_chat_requests(server, body, status, param):
     got, raw = request(server, "POST", "/v1/chat/completions", body)
     error = json.loads(raw)["error"]
@@ -404,9 +482,11 @@ def test_routes_sizes_and_context(server):
     status, raw = request(server, "POST", "/v1/chat/completions", b"x", {"Content-Length": str(10**10)})
     assert status == 413 and json.loads(raw)["error"]["type"] == "invalid_request_error"
     # Context overflows in vLLM's words with OpenAI's code, which clients match to shorten and retry.
-    for body, param in [({"prompt": "hello " * 9000, "max_tokens": 1}, "prompt"),
-                        ({"messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
-                        ({"prompt": "hello " * 100, "max_tokens": 8100}, "max_tokens")]:
+    for body, param in [
+        ({"prompt": "hello " * 9000, "max_tokens": 1}, "prompt"),
+        ({"messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
+        ({"prompt": "hello " * 100, "max_tokens": 8100}, "max_tokens"),
+    ]:
         status, raw = request(server, "POST", "/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
         error = json.loads(raw)["error"]
         assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", param), error
@@ -427,9 +507,12 @@ def raw_exchange(server, data: bytes, shut: bool = False) -> tuple[int, dict]:
 
 
 def test_http_layer_refusals_come_as_openai_json(server):
-    for data, status in [(b"GET http://[/health HTTP/1.1\r\nConnection: close\r\n\r\n", 400),  # urlsplit fails
-                         (b"GARBAGE\r\n\r\n", 400), (b"BREW /health HTTP/1.1\r\n\r\n", 501),
-                         (b"PUT /v1/models HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405)]:
+    for data, status in [
+        (b"GET http://[/health HTTP/1.1\r\nConnection: close\r\n\r\n", 400),  # urlsplit fails
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"BREW /health HTTP/1.1\r\n\r\n", 501),
+        (b"PUT /v1/models HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
+    ]:
         got, body = raw_exchange(server, data)
         assert got == status and set(body["error"]) == {"message", "type", "param", "code"}, (data, body)
     # A body cut short by a half-close is refused as such, not parsed as it stands.
@@ -472,22 +555,26 @@ def test_no_body_passes_for_the_next_request_and_http10_streams_unchunked(server
             while chunk := s.recv(65536):
                 reply += chunk
         return reply
+
     # A GET's body (here a request of its own) stays unread, and the connection closes after the answer.
     inner = b"GET /version HTTP/1.1\r\n\r\n"
     reply = exchange(b"GET /health HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(inner), inner))
     assert reply.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in reply and b"version" not in reply, reply
-    reply = exchange(b"GET /health HTTP/1.1\r\nContent-Length: 0\r\n\r\nGET /version HTTP/1.1\r\n"
-                     b"Connection: close\r\n\r\n")  # an empty body is no body: the connection goes on
+    reply = exchange(
+        b"GET /health HTTP/1.1\r\nContent-Length: 0\r\n\r\nGET /version HTTP/1.1\r\nConnection: close\r\n\r\n"
+    )  # an empty body is no body: the connection goes on
     assert reply.count(b"HTTP/1.1 200") == 2 and b"version" in reply, reply
     # Two Content-Lengths: neither frames the body, the request is refused and the connection closed.
     body = b'{"prompt": "Hi", "max_tokens": 1}'
-    reply = exchange(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(body), body))
+    reply = exchange(
+        b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     assert reply.startswith(b"HTTP/1.1 400") and reply.count(b"HTTP/1.1 ") == 1 and b"conflicting" in reply, reply
     # HTTP/1.0 has no chunked coding: a stream comes as it is, ended by the connection's close.
     body = json.dumps({"prompt": "Hi", "max_tokens": 2, "stream": True}).encode()
-    head, _, events = exchange(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s"
-                               % (len(body), body)).partition(b"\r\n\r\n")
+    head, _, events = exchange(
+        b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    ).partition(b"\r\n\r\n")
     assert b"chunked" not in head.lower() and events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n")
     assert all(e.startswith(b"data: ") for e in events.split(b"\n\n")[:-1]), events
     # A client that sends a bad request and leaves before the answer is routine; a bug still shows.
@@ -552,12 +639,21 @@ def test_queue_limit_429_and_a_request_too_big_for_the_queue(server, client, mon
 
 
 def test_cli_bad_values_one_line(capsys):
-    for argv in (["--port", "-1"], ["--block-size", "x"], ["--preemption-mode", "never"],
-                 ["--gpu-memory-utilization", "1.5"], ["--request-timeout", "0"],
-                 ["--torch-threads", "100000"], ["--kv-cache-memory", "inf"], ["--max-model-len", "1"],
-                 ["--dummy-weights", "--model-path", "x.gguf"], ["--device", "cuda:abc"],
-                 ["--served-model-name", ""], ["--served-model-name", "a", ""],
-                 ["--allowed-origins", "example.com"]):
+    for argv in (
+        ["--port", "-1"],
+        ["--block-size", "x"],
+        ["--preemption-mode", "never"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--request-timeout", "0"],
+        ["--torch-threads", "100000"],
+        ["--kv-cache-memory", "inf"],
+        ["--max-model-len", "1"],
+        ["--dummy-weights", "--model-path", "x.gguf"],
+        ["--device", "cuda:abc"],
+        ["--served-model-name", ""],
+        ["--served-model-name", "a", ""],
+        ["--allowed-origins", "example.com"],
+    ):
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
@@ -581,41 +677,92 @@ def test_every_engine_knob_is_a_flag(prog, capsys):
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     config = from_cli_args(parser.parse_args(argv))
-    assert (config.swap_space, config.enable_chunked_prefill, config.scheduling, config.torch_threads) == \
-        (1.5, False, "static", 1)
+    assert (config.swap_space, config.enable_chunked_prefill, config.scheduling, config.torch_threads) == (
+        1.5,
+        False,
+        "static",
+        1,
+    )
     assert from_cli_args(parser.parse_args([])) == EngineConfig()
 
 
 def test_cli_unknown_model_fails_cleanly():
-    p = subprocess.run([sys.executable, "serve.py", "--model", "no-such-model", "--port", "0"], cwd=HERE, env=ENV,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "serve.py", "--model", "no-such-model", "--port", "0"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1 and "no-such-model" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_cli_port_taken_names_the_flag_to_change():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        p = subprocess.run([sys.executable, "serve.py", "--dummy-weights", "--port", str(port)], cwd=HERE, env=ENV,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "serve.py", "--dummy-weights", "--port", str(port)],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-    assert last.startswith(f"serve.py: error: cannot listen on 127.0.0.1:{port}: ") and \
-        f"--port {port + 1}, or --port 0 for any free port" in last, last
+    assert (
+        last.startswith(f"serve.py: error: cannot listen on 127.0.0.1:{port}: ")
+        and f"--port {port + 1}, or --port 0 for any free port" in last
+    ), last
 
 
 def test_cli_takes_vllms_underscore_spellings():
     from serve import _parser
-    args = _parser().parse_args(["--max_num_seqs", "8", "--served_model_name", "my_model", "x", "--no_enable_"
-                                 "chunked_prefill", "--request_timeout=2.5", "--chat-template", "a_b.jinja"])
-    assert (args.max_num_seqs, args.served_model_name, args.enable_chunked_prefill, args.request_timeout,
-            args.chat_template) == (8, ["my_model", "x"], False, 2.5, "a_b.jinja")  # values keep their underscores
+
+    args = _parser().parse_args(
+        [
+            "--max_num_seqs",
+            "8",
+            "--served_model_name",
+            "my_model",
+            "x",
+            "--no_enable_chunked_prefill",
+            "--request_timeout=2.5",
+            "--chat-template",
+            "a_b.jinja",
+        ]
+    )
+    assert (
+        args.max_num_seqs,
+        args.served_model_name,
+        args.enable_chunked_prefill,
+        args.request_timeout,
+        args.chat_template,
+    ) == (8, ["my_model", "x"], False, 2.5, "a_b.jinja")  # values keep their underscores
 
 
 @pytest.mark.slow
 def test_cli_serves_and_stops_on_sigterm():
-    p = subprocess.Popen([sys.executable, "serve.py", "--dummy-weights", "--port", "0", "--num-kv-blocks", "320",
-                          "--max-model-len", "4096", "--kv-cache-dtype", "int8"], cwd=HERE, env=ENV,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "serve.py",
+            "--dummy-weights",
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "320",
+            "--max-model-len",
+            "4096",
+            "--kv-cache-dtype",
+            "int8",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         for line in p.stderr:
@@ -636,8 +783,11 @@ def test_cli_serves_and_stops_on_sigterm():
         r = conn.getresponse()
         assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] >= 1
         # A stream still running does not hold up the stop (too long to end before it, on any machine).
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 4000, "stream": True,
-                                                            "ignore_eos": True}))
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "Hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}),
+        )
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
         # Nor do 400 more requests, waiting or being read in: each still gets its whole answer, a 503 (in
@@ -654,6 +804,7 @@ def test_cli_serves_and_stops_on_sigterm():
                 answers.append((got.status, not stream or got.status != 200 or body.endswith(b"data: [DONE]\n\n")))
             except (OSError, http.client.HTTPException) as e:  # a connection reset, or an answer cut short
                 answers.append((type(e).__name__, False))
+
         clients = [threading.Thread(target=send, args=(i % 2 == 0,)) for i in range(400)]
         for c in clients:
             c.start()
@@ -665,16 +816,18 @@ def test_cli_serves_and_stops_on_sigterm():
         assert p.wait(30) == 0
         for c in clients:
             c.join(30)
-        assert len(answers) == 400 and all(status in (200, 503) and whole for status, whole in answers), \
+        assert len(answers) == 400 and all(status in (200, 503) and whole for status, whole in answers), (
             collections.Counter(answers)
+        )
         assert "Traceback" not in p.stderr.read()
     finally:
         p.kill()
 
 
 def test_cli_stops_cleanly_while_loading():
-    p = subprocess.Popen([sys.executable, "serve.py", "--port", "0"], cwd=HERE, env=ENV, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        [sys.executable, "serve.py", "--port", "0"], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True
+    )
     assert "loading" in p.stderr.readline()
     p.send_signal(signal.SIGINT)
     assert p.wait(30) == 0
@@ -686,17 +839,26 @@ def test_tokenize_detokenize_version(server):
     status, body = request(server, "POST", "/tokenize", {"prompt": "Hello world"})
     tokens = json.loads(body)
     assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 8192
-    assert json.loads(request(server, "POST", "/detokenize", {"tokens": tokens["tokens"]})[1])["prompt"] == "Hello world"
+    assert (
+        json.loads(request(server, "POST", "/detokenize", {"tokens": tokens["tokens"]})[1])["prompt"] == "Hello world"
+    )
     chat = json.loads(request(server, "POST", "/tokenize", {"messages": CHAT})[1])
     engine = server.engine
     assert chat["tokens"] == engine.tokenizer.apply_chat_template(CHAT)
     bare = json.loads(request(server, "POST", "/tokenize", {"messages": CHAT, "add_generation_prompt": False})[1])
     assert bare["tokens"] == engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False) != chat["tokens"]
-    for path, body in [("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [-1]}), ("/detokenize", {}),
-                       ("/tokenize", b"[1]")]:
+    for path, body in [
+        ("/tokenize", {"prompt": 5}),
+        ("/detokenize", {"tokens": [-1]}),
+        ("/detokenize", {}),
+        ("/tokenize", b"[1]"),
+    ]:
         status, reply = request(server, "POST", path, body)
         assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", (path, reply)
-    for path, body in [("/tokenize", {"prompt": "x", "model": "gpt-4"}), ("/detokenize", {"tokens": [1], "model": "x"})]:
+    for path, body in [
+        ("/tokenize", {"prompt": "x", "model": "gpt-4"}),
+        ("/detokenize", {"tokens": [1], "model": "x"}),
+    ]:
         status, reply = request(server, "POST", path, body)
         assert status == 404 and json.loads(reply)["error"]["code"] == "model_not_found", (path, reply)
     assert request(server, "POST", "/tokenize", {"prompt": "x", "model": "smollm2-135m"})[0] == 200
@@ -724,8 +886,11 @@ def test_an_ipv6_host(tiny):
 
 def test_served_model_name(tiny):
     # As vLLM's --served-model-name: these names only, the first in replies.
-    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
-               served_model_name=["my-model", "org/my-model"])
+    s = Server(
+        EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"),
+        port=0,
+        served_model_name=["my-model", "org/my-model"],
+    )
     s.start()
     try:
         assert s.wait_ready(120)
@@ -747,42 +912,66 @@ def test_the_model_answers_to_its_preset_name_and_hugging_face_id(server, client
     for name in names:
         r = client.completions.create(model=name, prompt="Hi", max_tokens=1)
         assert r.model == "smollm2-135m"
-    for path, body in [("/v1/chat/completions", {"model": "smollm2-135", "messages": CHAT, "max_tokens": 1}),
-                       ("/v1/completions", {"model": "SmolLM2-135M", "prompt": "Hi", "max_tokens": 1})]:
+    for path, body in [
+        ("/v1/chat/completions", {"model": "smollm2-135", "messages": CHAT, "max_tokens": 1}),
+        ("/v1/completions", {"model": "SmolLM2-135M", "prompt": "Hi", "max_tokens": 1}),
+    ]:
         status, raw = request(server, "POST", path, body)
         error = json.loads(raw)["error"]
         assert status == 404 and error["code"] == "model_not_found" and f"`{body['model']}`" in error["message"], error
         assert all(name in error["message"] for name in names), error
 
 
-@pytest.mark.parametrize("model, checkpoint, served, names", [
-    ("smollm2-135m", None, None, ["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"]),
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", "/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc",
-     None, ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m", "SmolLM2-135M-Instruct"]),  # not the hash
-    ("llama3.1-8b", "/m/Llama-3.1-8B-Instruct-Q4_K_M.gguf", None,
-     ["llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct",
-      "Llama-3.1-8B-Instruct-Q4_K_M.gguf"]),
-    ("/models/my-llama/", "/models/my-llama", None, ["/models/my-llama/", "my-llama"]),
-    ("smollm2-135m", "/m/x.gguf", "mine", ["mine"]),
-])
+@pytest.mark.parametrize(
+    "model, checkpoint, served, names",
+    [
+        ("smollm2-135m", None, None, ["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"]),
+        (
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc",
+            None,
+            ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m", "SmolLM2-135M-Instruct"],
+        ),  # not the hash
+        (
+            "llama3.1-8b",
+            "/m/Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+            None,
+            [
+                "llama3.1-8b",
+                "meta-llama/Llama-3.1-8B-Instruct",
+                "meta-llama/Meta-Llama-3.1-8B-Instruct",
+                "Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+            ],
+        ),
+        ("/models/my-llama/", "/models/my-llama", None, ["/models/my-llama/", "my-llama"]),
+        ("smollm2-135m", "/m/x.gguf", "mine", ["mine"]),
+    ],
+)
 def test_model_names(model, checkpoint, served, names):
-    from openai_api import model_names
+    from server.openai_api import model_names
+
     assert model_names(model, checkpoint, served) == names
 
 
 def test_wrong_routes_and_endpoints_name_the_right_one(tiny_server):
     """A client's base_url without /v1, and a prompt sent for a chat (or messages for a completion), get the
     route to use in OpenAI's error JSON."""
-    for method, path, near in [("POST", "/chat/completions", "/v1/chat/completions"), ("GET", "/models", "/v1/models"),
-                               ("POST", "/completions", "/v1/completions"), ("GET", "/v1/health", "/health"),
-                               ("GET", "/v1/v1/models", "/v1/models")]:
+    for method, path, near in [
+        ("POST", "/chat/completions", "/v1/chat/completions"),
+        ("GET", "/models", "/v1/models"),
+        ("POST", "/completions", "/v1/completions"),
+        ("GET", "/v1/health", "/health"),
+        ("GET", "/v1/v1/models", "/v1/models"),
+    ]:
         status, raw = request(tiny_server, method, path, {"prompt": "x"} if method == "POST" else None)
         error = json.loads(raw)["error"]
         assert status == 404 and f"did you mean {near}?" in error["message"], (path, error)
         assert ("base_url ends in /v1" in error["message"]) == near.startswith("/v1/"), error
     assert "did you mean" not in json.loads(request(tiny_server, "GET", "/nowhere")[1])["error"]["message"]
-    for path, body, right in [("/v1/chat/completions", {"prompt": "Hi"}, "/v1/completions"),
-                              ("/v1/completions", {"messages": CHAT}, "/v1/chat/completions")]:
+    for path, body, right in [
+        ("/v1/chat/completions", {"prompt": "Hi"}, "/v1/completions"),
+        ("/v1/completions", {"messages": CHAT}, "/v1/chat/completions"),
+    ]:
         status, raw = request(tiny_server, "POST", path, {**body, "max_tokens": 1})
         error = json.loads(raw)["error"]
         assert status == 400 and error["param"] == next(iter(body)) and right in error["message"], error
@@ -805,6 +994,7 @@ def test_engine_thread_death_is_reported_not_hung(tiny, capsys, where):
 
         def broken():
             raise Killed("injected") if where == "step" else RuntimeError("injected")
+
         setattr(s.engine, where, broken)
         began = time.monotonic()
         status, reply = request(s, "POST", "/v1/completions", body)
@@ -820,8 +1010,9 @@ def test_engine_thread_death_is_reported_not_hung(tiny, capsys, where):
 
 
 def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
-    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0,
-               request_timeout=0.5)
+    s = Server(
+        EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0, request_timeout=0.5
+    )
     s.start()
     try:
         assert s.wait_ready(120)
@@ -841,8 +1032,9 @@ def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
         # Streamed, the status line is out before the time is up: the error comes as an event, and the
         # access log names it beside the 200.
         s.log = log = io.StringIO()
-        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        )
         events = conn.getresponse().read().decode()
         assert "--request-timeout 0.5s" in events and events.endswith("data: [DONE]\n\n"), events
         deadline = time.monotonic() + 5  # the line is written once the response is out
@@ -866,11 +1058,13 @@ def tiny_client(tiny_server):
 
 
 def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
-    for body, param in [({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-                        ({"messages": CHAT, "echo": True}, "echo"),   # a completions field
-                        ({"prompt": "x", "suffix": "y", "best_of": 2}, "best_of"),
-                        ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-                        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo")]:
+    for body, param in [
+        ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": CHAT, "echo": True}, "echo"),  # a completions field
+        ({"prompt": "x", "suffix": "y", "best_of": 2}, "best_of"),
+        ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ]:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         status, raw = request(tiny_server, "POST", path, {"model": "tiny", "max_tokens": 2, **body})
         error = json.loads(raw)["error"]
@@ -878,11 +1072,25 @@ def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
     status, raw = request(tiny_server, "POST", "/tokenize", {"prompt": "x", "add_bos": True})
     assert status == 400 and json.loads(raw)["error"]["param"] == "add_bos"
     # null means absent, and the fields OpenAI's client sends are all taken
-    r = tiny_client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, user="u1", tools=None,
-                                            response_format={"type": "text"}, stream_options=None)
+    r = tiny_client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=2,
+        user="u1",
+        tools=None,
+        response_format={"type": "text"},
+        stream_options=None,
+    )
     assert r.choices[0].finish_reason in ("stop", "length")
-    assert request(tiny_server, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
-                                                                 "response_format": {"type": None}})[0] == 200
+    assert (
+        request(
+            tiny_server,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_tokens": 1, "response_format": {"type": None}},
+        )[0]
+        == 200
+    )
 
 
 def test_a_tiny_temperature_samples_at_a_hundredth(tiny_client):
@@ -895,25 +1103,49 @@ def test_a_tiny_temperature_samples_at_a_hundredth(tiny_client):
 
 
 def test_echo_stop_token_ids_and_cached_tokens(tiny_server, tiny_client):
-    r = tiny_client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, temperature=0, echo=True,
-                                       extra_body={"ignore_eos": True})
-    plain = tiny_client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, temperature=0,
-                                           extra_body={"ignore_eos": True})
+    r = tiny_client.completions.create(
+        model="tiny", prompt="Echo me", max_tokens=3, temperature=0, echo=True, extra_body={"ignore_eos": True}
+    )
+    plain = tiny_client.completions.create(
+        model="tiny", prompt="Echo me", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == "Echo me" + plain.choices[0].text
-    chunks = tiny_client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, temperature=0, echo=True,
-                                            stream=True, extra_body={"ignore_eos": True})
+    chunks = tiny_client.completions.create(
+        model="tiny",
+        prompt="Echo me",
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
-    stop = tiny_client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, temperature=0,
-                                          logit_bias={"300": 100}, extra_body={"stop_token_ids": [300]})
+    stop = tiny_client.completions.create(
+        model="tiny",
+        prompt="Echo me",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={"300": 100},
+        extra_body={"stop_token_ids": [300]},
+    )
     assert stop.choices[0].finish_reason == "stop" and stop.usage.completion_tokens == 1
     # <|im_start|> (id 257 here) made certain: no text by default, its text when asked.
-    texts = [tiny_client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, logit_bias={"257": 100},
-                                                 extra_body=extra).choices[0].message.content
-             for extra in ({}, {"skip_special_tokens": False})]
+    texts = [
+        tiny_client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=2, logit_bias={"257": 100}, extra_body=extra
+        )
+        .choices[0]
+        .message.content
+        for extra in ({}, {"skip_special_tokens": False})
+    ]
     assert texts == ["", "<|im_start|><|im_start|>"]
     system = [{"role": "system", "content": "You answer in one word. " * 8}]
-    usage = [tiny_client.chat.completions.create(model="tiny", messages=system + [{"role": "user", "content": q}],
-                                                 max_tokens=2).usage for q in ("Why?", "How?")]
+    usage = [
+        tiny_client.chat.completions.create(
+            model="tiny", messages=system + [{"role": "user", "content": q}], max_tokens=2
+        ).usage
+        for q in ("Why?", "How?")
+    ]
     assert usage[0].prompt_tokens_details.cached_tokens == 0
     assert usage[1].prompt_tokens_details.cached_tokens >= 64  # whole blocks of the shared system prompt
 
@@ -923,8 +1155,11 @@ def test_cache_salt(tiny_server, tiny_client):
 
     def cached(question: str, salt: str | None) -> int:
         return tiny_client.chat.completions.create(
-            model="tiny", messages=system + [{"role": "user", "content": question}], max_tokens=2,
-            extra_body={"cache_salt": salt}).usage.prompt_tokens_details.cached_tokens
+            model="tiny",
+            messages=system + [{"role": "user", "content": question}],
+            max_tokens=2,
+            extra_body={"cache_salt": salt},
+        ).usage.prompt_tokens_details.cached_tokens
 
     got = [cached("Who?", "a"), cached("What?", "b"), cached("When?", None), cached("Where?", "a"), cached("Why?", "b")]
     assert got[:3] == [0, 0, 0] and min(got[3:]) >= 64  # whole blocks of the system prompt, only for its salt
@@ -945,8 +1180,11 @@ def test_access_log_and_request_histograms(tiny_server, tiny_client):
     finally:
         tiny_server.log = sys.stderr
     lines = log.getvalue().splitlines()
-    assert re.fullmatch(r'127\.0\.0\.1 "POST /v1/completions" 200 ttft=\d+\.\d{3}s prompt=6 output=3 '
-                        r'duration=\d+\.\d{3}s', lines[0]), lines
+    assert re.fullmatch(
+        r'127\.0\.0\.1 "POST /v1/completions" 200 ttft=\d+\.\d{3}s prompt=6 output=3 '
+        r"duration=\d+\.\d{3}s",
+        lines[0],
+    ), lines
     assert lines[1].startswith('127.0.0.1 "GET /nothing" 404 duration=')
     text = request(tiny_server, "GET", "/metrics")[1].decode()
     for name in ("request_queue_time_seconds", "e2e_request_latency_seconds"):
@@ -959,8 +1197,9 @@ def test_access_log_says_499_for_a_client_gone_before_its_answer(tiny_server):
     try:
         # An answer that takes a few of the server's looks at the socket (one each 0.1 s), so that one comes after
         # the client's close on any machine: 16 choices of 240 tokens with logprobs (the tiny model is quick).
-        body = json.dumps({"model": "tiny", "prompt": "Leave", "max_tokens": 240, "ignore_eos": True, "n": 16,
-                           "logprobs": 5}).encode()
+        body = json.dumps(
+            {"model": "tiny", "prompt": "Leave", "max_tokens": 240, "ignore_eos": True, "n": 16, "logprobs": 5}
+        ).encode()
         with socket.create_connection((tiny_server.host, tiny_server.port)) as sock:  # closed once sent
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         deadline = time.monotonic() + 10
@@ -969,8 +1208,9 @@ def test_access_log_says_499_for_a_client_gone_before_its_answer(tiny_server):
     finally:
         tiny_server.log = sys.stderr
     # Among any other test's late /metrics polls (a ttft if its first token came before the server saw it gone):
-    assert re.search(r'^127\.0\.0\.1 "POST /v1/completions" 499 (ttft=\S+ )?client=gone duration=\S+$',
-                     log.getvalue(), re.M)
+    assert re.search(
+        r'^127\.0\.0\.1 "POST /v1/completions" 499 (ttft=\S+ )?client=gone duration=\S+$', log.getvalue(), re.M
+    )
 
 
 def test_startup_says_where_sampling_defaults_come_from(server):
@@ -983,16 +1223,19 @@ def test_startup_says_where_sampling_defaults_come_from(server):
 def test_disable_log_requests_flag():
     args = ["--disable-log-requests", "--model", "x"]
     from serve import _parser
+
     assert _parser().parse_args(args).disable_log_requests and not _parser().parse_args([]).disable_log_requests
 
 
 def test_chat_template_file(tiny, tmp_path):
     path = tmp_path / "t.jinja"
     # {% break %} needs the loop-controls extension of the environment checkpoint templates render in.
-    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% if loop.last %}{% break %}{% endif %}"
-                    "{% endfor %}")
-    s = Server(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu",
-                            chat_template=str(path)), port=0)
+    path.write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% if loop.last %}{% break %}{% endif %}{% endfor %}"
+    )
+    s = Server(
+        EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu", chat_template=str(path)), port=0
+    )
     s.start()
     try:
         assert s.wait_ready(120)
@@ -1002,8 +1245,24 @@ def test_chat_template_file(tiny, tmp_path):
         s.stop()
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for %}")
-    r = subprocess.run([sys.executable, "serve.py", "--dummy-weights", "--num-kv-blocks", "16", "--chat-template",
-                        str(bad), "--port", "0"], cwd=HERE, env=ENV, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "serve.py",
+            "--dummy-weights",
+            "--num-kv-blocks",
+            "16",
+            "--chat-template",
+            str(bad),
+            "--port",
+            "0",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("serve.py: error: chat template")
     with pytest.raises(ValueError, match="chat_template"):
         EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
@@ -1017,6 +1276,7 @@ def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypat
     (NaN logits): that one gets an error, every other stream completes, and afterwards nothing runs and
     no KV block is in use."""
     import runner
+
     sample = runner.sample
 
     def poisoned(logits, seqs):
@@ -1024,11 +1284,13 @@ def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypat
             if seq.params.seed == 13 and len(seq.output_token_ids) == 3:
                 logits[i] = float("nan")
         return sample(logits, seqs)
+
     monkeypatch.setattr(runner, "sample", poisoned)
 
     async def one(client, i: int):
-        stream = await client.completions.create(model="tiny", prompt=f"Story {i}:", max_tokens=12, seed=i,
-                                                 stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model="tiny", prompt=f"Story {i}:", max_tokens=12, seed=i, stream=True, extra_body={"ignore_eos": True}
+        )
         text, reasons = "", []
         try:
             async for chunk in stream:
@@ -1046,6 +1308,7 @@ def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypat
         results = await asyncio.gather(*(one(client, i) for i in range(64)))
         await client.close()
         return results
+
     before = metrics(tiny_server)["generation_tokens_total"]
     results = asyncio.run(go())
     assert results[13][0] == "error" and "NaN" in results[13][1]
@@ -1071,30 +1334,53 @@ def test_fuzz_the_api_from_its_openapi_description(short_server):
     value: never a 5xx, never a hang, and afterwards a normal request is served and no KV is held."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
+
     spec = json.loads(request(short_server, "GET", "/openapi.json")[1])
-    any_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False)
-                            | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
-                            | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=6)
-    typed = {"integer": st.integers(-2, 6), "number": st.floats(-3, 3), "boolean": st.booleans(),
-             "string": st.text(max_size=12), "array": st.lists(st.integers(0, 300) | st.text(max_size=4), max_size=4),
-             "object": st.dictionaries(st.text(max_size=6), any_json, max_size=3)}
+    any_json = st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 300) | st.floats(allow_nan=False) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=6,
+    )
+    typed = {
+        "integer": st.integers(-2, 6),
+        "number": st.floats(-3, 3),
+        "boolean": st.booleans(),
+        "string": st.text(max_size=12),
+        "array": st.lists(st.integers(0, 300) | st.text(max_size=4), max_size=4),
+        "object": st.dictionaries(st.text(max_size=6), any_json, max_size=3),
+    }
 
     def field(schema: dict) -> st.SearchStrategy:
         kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         return st.one_of(*(typed[k] for k in kinds), any_json)
-    valid = {"messages": st.just(CHAT), "prompt": st.text(max_size=12) | st.lists(st.integers(0, 300), max_size=5),
-             "tokens": st.lists(st.integers(0, 300), max_size=5)}
-    posts = [(path, st.fixed_dictionaries(
-        {k: valid[k] | field(t) for k, t in props.items() if k in required},
-        optional={k: (field(t) if k != "model" else st.just("tiny") | field(t)) for k, t in props.items()
-                  if k not in required}))
-        for path, item in spec["paths"].items() if "post" in item
+
+    valid = {
+        "messages": st.just(CHAT),
+        "prompt": st.text(max_size=12) | st.lists(st.integers(0, 300), max_size=5),
+        "tokens": st.lists(st.integers(0, 300), max_size=5),
+    }
+    posts = [
+        (
+            path,
+            st.fixed_dictionaries(
+                {k: valid[k] | field(t) for k, t in props.items() if k in required},
+                optional={
+                    k: (field(t) if k != "model" else st.just("tiny") | field(t))
+                    for k, t in props.items()
+                    if k not in required
+                },
+            ),
+        )
+        for path, item in spec["paths"].items()
+        if "post" in item
         for schema in [item["post"]["requestBody"]["content"]["application/json"]["schema"]]
-        for props, required in [(schema["properties"], schema["required"])]]
+        for props, required in [(schema["properties"], schema["required"])]
+    ]
     seen, conn = [], http.client.HTTPConnection(short_server.host, short_server.port, timeout=60)
 
-    @settings(max_examples=1200, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=1200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(st.sampled_from(posts).flatmap(lambda p: st.tuples(st.just(p[0]), p[1])))
     def case(arg):
         path, body = arg
@@ -1107,6 +1393,7 @@ def test_fuzz_the_api_from_its_openapi_description(short_server):
         assert status < 500, (path, body, raw)
         if status >= 400:
             assert json.loads(raw)["error"]["message"]
+
     case()
     print("fuzz statuses:", {s: seen.count(s) for s in sorted(set(seen))})
     assert len(seen) >= 1200 and seen.count(200) >= 60, {s: seen.count(s) for s in set(seen)}
@@ -1121,44 +1408,79 @@ def test_a_wheel_holds_everything_the_server_runs(tmp_path):
     modules import from the unpacked wheel alone, and the page sits where serve.py looks once installed."""
     import shutil
     import zipfile
+
     source = tmp_path / "source"  # a copy: pip builds in the source tree
-    shutil.copytree(HERE, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
-                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(source),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("laneserve-*.whl")))
     site = tmp_path / "site"
     wheel.extractall(site)
     # The checkout's own editable install would supply a module the wheel lacks: none may come from here.
-    script = ("import os, sys, bench, serve; print(sorted(m for m, mod in list(sys.modules.items()) if os.path.dirname("
-              "getattr(mod, '__file__', None) or '') in (sys.argv[1], os.path.join(sys.argv[1], 'attention_cuda'))))")
-    r = subprocess.run([sys.executable, "-c", script, HERE], cwd=tmp_path, env={**ENV, "PYTHONPATH": str(site)},
-                       capture_output=True, text=True, timeout=120)
+    script = (
+        "import os, sys, bench, serve; print(sorted(m for m, mod in list(sys.modules.items()) if os.path.dirname("
+        "getattr(mod, '__file__', None) or '') in (sys.argv[1], *(os.path.join(sys.argv[1], d) "
+        "for d in ('attention_cuda', 'server')))))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, ROOT],
+        cwd=tmp_path,
+        env={**ENV, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
     assert {"attention_cuda/paged_attention.cu", "attention_cuda/binding.cpp"} <= set(wheel.namelist())
-    import serve
-    data = next(n for n in wheel.namelist() if n.endswith("page.html")).split(".data/data/")[1]
-    assert os.path.join(sys.prefix, data) == serve.PAGES[1]
+    assert "server/page.html" in wheel.namelist()
 
 
 def test_cors_for_allowed_origins_only(tiny):
     """--allowed-origins: a page of an allowed origin may call the API from a browser, preflight included
     (which carries no API key); other origins get no CORS headers, so their scripts cannot read replies."""
     app = "http://app.example:3000"
-    with serving(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), api_key="k",
-                 allowed_origins=(app,), log_requests=False) as s:
+    with serving(
+        EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"),
+        api_key="k",
+        allowed_origins=(app,),
+        log_requests=False,
+    ) as s:
+
         def call(method: str, origin: str, headers: dict | None = None, body: dict | None = None):
             conn = http.client.HTTPConnection(s.host, s.port, timeout=60)
-            conn.request(method, "/v1/completions", json.dumps(body) if body else None,
-                         {"Origin": origin, **(headers or {})})
+            conn.request(
+                method, "/v1/completions", json.dumps(body) if body else None, {"Origin": origin, **(headers or {})}
+            )
             r = conn.getresponse()
             r.read()
             conn.close()
             return r.status, r.getheader("Access-Control-Allow-Origin"), r
-        preflight = {"Access-Control-Request-Method": "POST",
-                     "Access-Control-Request-Headers": "authorization, content-type"}
+
+        preflight = {
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
         status, allowed, r = call("OPTIONS", app, preflight)
-        assert (status, allowed) == (204, app) and r.getheader("Access-Control-Allow-Headers") == \
-            "authorization, content-type" and "POST" in r.getheader("Access-Control-Allow-Methods")
+        assert (
+            (status, allowed) == (204, app)
+            and r.getheader("Access-Control-Allow-Headers") == "authorization, content-type"
+            and "POST" in r.getheader("Access-Control-Allow-Methods")
+        )
         body = {"model": tiny, "prompt": [1, 2], "max_tokens": 2}
         for extra in ({}, {"stream": True}):
             assert call("POST", app, {"Authorization": "Bearer k"}, {**body, **extra})[:2] == (200, app)

@@ -2,10 +2,11 @@
 commit, say). On a machine whose speed drifts between runs, timing both in the same minutes is the fair
 comparison; each engine runs in its own process, and only one steps at a time.
 
-    git worktree add /tmp/before HEAD~1 && python bench_ab.py /tmp/before
+    git worktree add /tmp/before HEAD~1 && python -m benchmarks.bench_ab /tmp/before
 
 The workload is bench.py's 64-stream level without HTTP: --num-seqs clients, each sending --waves requests
 one after the other (random token ids, --prompt-len tokens, --max-tokens greedy tokens, ignore_eos)."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import fields
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
 def worker(root: str, job: dict) -> int:
@@ -38,6 +39,7 @@ def worker(root: str, job: dict) -> int:
     try:
         from engine import Engine
         from sequence import SamplingParams
+
         engine = Engine(**job["knobs"])
         for _ in range(job["num_seqs"]):  # here too: a request the engine cannot hold (--max-tokens, --prompt-len)
             send(job["waves"] - 1)
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import _number  # positive numbers, as bench.py's
     from cli import ArgumentParser
     from config import EngineConfig, add_cli_args, from_cli_args
+
     p = ArgumentParser(prog="bench_ab.py", description=__doc__.split("\n\n")[0])
     p.add_argument("other", help="the other checkout's directory")
     p.add_argument("--num-seqs", type=_number(int), default=64, help="clients")
@@ -81,20 +84,34 @@ def main(argv: list[str] | None = None) -> int:
         from_cli_args(args)
     except ValueError as e:
         p.error(str(e))
-    roots = [HERE, os.path.abspath(args.other)]
+    roots = [ROOT, os.path.abspath(args.other)]
     if not os.path.isfile(os.path.join(roots[1], "engine.py")):
         p.error(f"no engine.py in {roots[1]}")
     # Only the knobs that differ from this checkout's defaults, so that an older engine gets its own.
-    job = {"knobs": {f.name: v for f in fields(EngineConfig) if "help" in f.metadata
-                     and (v := getattr(args, f.name)) != f.default},
-           "num_seqs": args.num_seqs, "waves": args.waves, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    job = {
+        "knobs": {
+            f.name: v
+            for f in fields(EngineConfig)
+            if "help" in f.metadata and (v := getattr(args, f.name)) != f.default
+        },
+        "num_seqs": args.num_seqs,
+        "waves": args.waves,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+    }
     # Each checkout builds its kernels into its own extension directory: one shared by two versions of the same
     # extension's sources can hand a worker the other's build.
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", r, json.dumps(job)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(base, f"ab{i}")})
-             for i, r in enumerate(roots)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", r, json.dumps(job)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(base, f"ab{i}")},
+        )
+        for i, r in enumerate(roots)
+    ]
     totals = [[0.0, 0, 0.0, 0] for _ in roots]  # prefill seconds and steps, decode seconds and steps
     try:
         if any(proc.stdout.readline().strip() != "ready" for proc in procs[::-1]):  # a broken other fails first
@@ -120,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
             proc.wait()
     for root, (tp, npf, td, nd) in zip(("this", roots[1]), totals):
-        print(f"{root}: {tp + td:.2f} s; {npf} steps with prefill {tp:.2f} s; {nd} decode steps "
-              f"{1000 * td / max(nd, 1):.1f} ms each")
+        print(
+            f"{root}: {tp + td:.2f} s; {npf} steps with prefill {tp:.2f} s; {nd} decode steps "
+            f"{1000 * td / max(nd, 1):.1f} ms each"
+        )
     (a, _, c, _), (b, _, d, _) = totals
     print(f"this / other: {(a + c) / (b + d):.3f} of the time ({(c / d if d else float('nan')):.3f} in decode steps)")
     return 0

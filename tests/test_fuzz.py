@@ -14,6 +14,7 @@ On random weights in SmolLM2's shapes, 2 layers and a vocabulary of 8192, as tes
 
 LANESERVE_FUZZ_EXAMPLES=n runs n examples (default 5), LANESERVE_FUZZ_SEED=s explores from
 seed s instead of the fixed derandomized sequence CI runs."""
+
 import itertools
 import os
 import random
@@ -21,8 +22,9 @@ from collections import Counter, OrderedDict
 from typing import NamedTuple
 
 import pytest
-from hypothesis import HealthCheck, event, example, given, note, settings, strategies as st
+from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
 
 import cpu
 from engine import LLM, SamplingParams
@@ -48,6 +50,7 @@ class Req(NamedTuple):
     """A request, in few numbers so that a failing example prints short. Its prompt is PREFIXES[prefix]
     cut to prefix_len (or nothing), then suffix_len tokens drawn from suffix_seed: requests of the same
     suffix_seed share their suffixes' beginnings, so even prompts without a prefix meet in the cache."""
+
     prefix: int | None
     prefix_len: int
     suffix_len: int
@@ -56,17 +59,23 @@ class Req(NamedTuple):
     temperature: float  # 0: greedy
     seed: int
     top_p: float
-    stop: bool         # STOP_IDS as stop_token_ids
+    stop: bool  # STOP_IDS as stop_token_ids
     ignore_eos: bool
 
     def prompt(self) -> list[int]:
-        head = PREFIXES[self.prefix][:self.prefix_len] if self.prefix is not None else []
+        head = PREFIXES[self.prefix][: self.prefix_len] if self.prefix is not None else []
         return head + random_prompt(random.Random(self.suffix_seed), self.suffix_len)
 
     def params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, seed=self.seed if self.temperature else None,
-                              top_p=self.top_p, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                              stop_token_ids=STOP_IDS if self.stop else [], logprobs=2)
+        return SamplingParams(
+            temperature=self.temperature,
+            seed=self.seed if self.temperature else None,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=STOP_IDS if self.stop else [],
+            logprobs=2,
+        )
 
 
 @st.composite
@@ -75,35 +84,57 @@ def requests(draw) -> Req:
     prefix_len = 0 if prefix is None else draw(st.integers(16, 100))
     suffix_len = draw(st.integers(0 if prefix_len else 1, 200 - prefix_len))
     temperature = draw(st.sampled_from([0.0, 0.0, 0.7, 1.5]))
-    return Req(prefix, prefix_len, suffix_len, draw(st.integers(0, 7)), draw(st.integers(1, 24)), temperature,
-               draw(st.integers(0, 3)) if temperature else 0,
-               draw(st.sampled_from([1.0, 0.9])) if temperature else 1.0, draw(st.booleans()), draw(st.booleans()))
+    return Req(
+        prefix,
+        prefix_len,
+        suffix_len,
+        draw(st.integers(0, 7)),
+        draw(st.integers(1, 24)),
+        temperature,
+        draw(st.integers(0, 3)) if temperature else 0,
+        draw(st.sampled_from([1.0, 0.9])) if temperature else 1.0,
+        draw(st.booleans()),
+        draw(st.booleans()),
+    )
 
 
 # Requests arrive in bursts of 1-3; each burst is followed by 1-5 steps and, a third of the time, the abort
 # of an unfinished request (the index picks one of them, in arrival order, modulo their number). Then the
 # engine is drained.
-SCHEDULES = st.lists(st.tuples(st.lists(requests(), min_size=1, max_size=3), st.integers(1, 5),
-                               st.one_of(st.none(), st.none(), st.integers(0, 63))), min_size=2, max_size=4)
+SCHEDULES = st.lists(
+    st.tuples(
+        st.lists(requests(), min_size=1, max_size=3),
+        st.integers(1, 5),
+        st.one_of(st.none(), st.none(), st.integers(0, 63)),
+    ),
+    min_size=2,
+    max_size=4,
+)
 
 
 def operations(schedule: list) -> list[tuple]:
-    return [op for burst, steps, abort in schedule
-            for op in [*(("add", req) for req in burst), ("step", steps)]
-            + ([("abort", abort)] if abort is not None else [])]
+    return [
+        op
+        for burst, steps, abort in schedule
+        for op in [*(("add", req) for req in burst), ("step", steps)]
+        + ([("abort", abort)] if abort is not None else [])
+    ]
 
 
 # 24 blocks of 16 tokens hold one longest request (200 + 24 tokens: 14 blocks) and little else. Swap space
 # in GiB: 0.05 takes every swapped sequence, 0.0004 a few blocks (8 in float32, 17 in bfloat16: then
 # preemption falls back to recompute), 0 none.
-KNOBS = st.fixed_dictionaries(dict(
-    num_kv_blocks=st.sampled_from([24, 32, 40, 64]),
-    max_num_batched_tokens=st.sampled_from([32, 64, 512]),
-    max_num_seqs=st.sampled_from([4, 12, 32, 64]),
-    enable_prefix_caching=st.sampled_from([True, False]),
-    scheduling=st.sampled_from(["continuous", "continuous", "static"]),
-    num_speculative_tokens=st.sampled_from([0, 0, 4]),  # the lone runs are without: drafts must change nothing
-    preemption=st.sampled_from([("swap", 0.0004), ("recompute", 4.0), ("swap", 0.05), ("swap", 0.0)])))
+KNOBS = st.fixed_dictionaries(
+    dict(
+        num_kv_blocks=st.sampled_from([24, 32, 40, 64]),
+        max_num_batched_tokens=st.sampled_from([32, 64, 512]),
+        max_num_seqs=st.sampled_from([4, 12, 32, 64]),
+        enable_prefix_caching=st.sampled_from([True, False]),
+        scheduling=st.sampled_from(["continuous", "continuous", "static"]),
+        num_speculative_tokens=st.sampled_from([0, 0, 4]),  # the lone runs are without: drafts must change nothing
+        preemption=st.sampled_from([("swap", 0.0004), ("recompute", 4.0), ("swap", 0.05), ("swap", 0.0)]),
+    )
+)
 
 ENGINES: OrderedDict[tuple, LLM] = OrderedDict()  # a drained engine serves the next example of its knobs
 LONE: dict[tuple, tuple[list, str]] = {}
@@ -127,8 +158,9 @@ def lone(model: str, dtype: str, max_num_seqs: int, req: Req) -> tuple[list, str
     tile = cpu.row_tile(max_num_seqs)
     key = (dtype, tile, req)
     if key not in LONE:
-        llm = cached_engine(model, ("lone", dtype, tile), dtype=dtype, max_num_seqs=tile, num_kv_blocks=32,
-                            max_num_batched_tokens=512)
+        llm = cached_engine(
+            model, ("lone", dtype, tile), dtype=dtype, max_num_seqs=tile, num_kv_blocks=32, max_num_batched_tokens=512
+        )
         llm.add_request(req.prompt(), req.params(), "lone")
         got, reason = [], None
         try:
@@ -150,8 +182,10 @@ def check_books(llm: LLM) -> None:
     s = llm.scheduler
     seqs = [*s.running, *s.waiting, *s.swapped]
     assert len({id(q) for q in seqs}) == len(seqs), "a sequence in two queues"
-    for manager, tables in ((llm.block_manager, [q.block_table for q in seqs]),
-                            (s.swap_space, [q.swap_table for q in seqs])):
+    for manager, tables in (
+        (llm.block_manager, [q.block_table for q in seqs]),
+        (s.swap_space, [q.swap_table for q in seqs]),
+    ):
         held = Counter(b for table in tables for b in table)
         assert manager.ref_counts == [held[b] for b in range(manager.num_blocks)]
         assert set(manager.free_blocks) == {b for b in range(manager.num_blocks) if not held[b]}
@@ -237,17 +271,24 @@ def drive(llm: LLM, ops: list) -> tuple[dict, dict, set]:
 
 
 def fuzz_settings(test):
-    test = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED is None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(test)
+    test = settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=SEED is None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )(test)
     return hypothesis_seed(int(SEED))(test) if SEED is not None else test
 
 
-def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: float = 0.0,
-           prefix: int | None = None) -> Req:
+def pinned(
+    length: int, suffix_seed: int, max_tokens: int = 24, temperature: float = 0.0, prefix: int | None = None
+) -> Req:
     """A request for the examples below: length prompt tokens, 64 of them PREFIXES[prefix]'s if given."""
     prefix_len = 0 if prefix is None else 64
-    return Req(prefix, prefix_len, length - prefix_len, suffix_seed, max_tokens, temperature, suffix_seed, 1.0,
-               False, True)
+    return Req(
+        prefix, prefix_len, length - prefix_len, suffix_seed, max_tokens, temperature, suffix_seed, 1.0, False, True
+    )
 
 
 # Besides the drawn examples, two that surely preempt, two aborts in a static batch, and one with
@@ -258,30 +299,76 @@ def pinned(length: int, suffix_seed: int, max_tokens: int = 24, temperature: flo
 # short request has finished, its output held until the batch ends, when the abort hits it. In the fourth,
 # the abort hits the batch's running one instead, which ends the batch: the held output must come out (it
 # was held forever, found by seed 4242).
-@example(dtype="float32", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=12,
-                                     enable_prefix_caching=True, preemption=("swap", 0.0004),
-                                     scheduling="continuous"),
-         schedule=[([pinned(100, 0), pinned(110, 1, 20, 0.7), pinned(120, 2, prefix=0)], 1, None),
-                   ([pinned(100, 3, 23, prefix=0), pinned(60, 4, 12), pinned(80, 5)], 4, None),
-                   ([pinned(90, 6, 8)], 1, 2), ([], 2, 3)])
-@example(dtype="bfloat16", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=12,
-                                      enable_prefix_caching=False, preemption=("recompute", 4.0),
-                                      scheduling="static"),
-         schedule=[([pinned(185, 5), pinned(184, 6, 22, 1.5), pinned(183, 7, 18)], 8, 2)])
-@example(dtype="float32", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=4,
-                                     enable_prefix_caching=False, preemption=("recompute", 4.0),
-                                     scheduling="static"),
-         schedule=[([pinned(20, 0, 8), pinned(20, 1, 2)], 3, 1), ([pinned(30, 2, 4)], 1, None)])
-@example(dtype="float32", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=4,
-                                     enable_prefix_caching=False, preemption=("recompute", 4.0),
-                                     scheduling="static"),
-         schedule=[([pinned(20, 0, 8), pinned(20, 1, 2)], 3, 0)])
+@example(
+    dtype="float32",
+    knobs=dict(
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=12,
+        enable_prefix_caching=True,
+        preemption=("swap", 0.0004),
+        scheduling="continuous",
+    ),
+    schedule=[
+        ([pinned(100, 0), pinned(110, 1, 20, 0.7), pinned(120, 2, prefix=0)], 1, None),
+        ([pinned(100, 3, 23, prefix=0), pinned(60, 4, 12), pinned(80, 5)], 4, None),
+        ([pinned(90, 6, 8)], 1, 2),
+        ([], 2, 3),
+    ],
+)
+@example(
+    dtype="bfloat16",
+    knobs=dict(
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=12,
+        enable_prefix_caching=False,
+        preemption=("recompute", 4.0),
+        scheduling="static",
+    ),
+    schedule=[([pinned(185, 5), pinned(184, 6, 22, 1.5), pinned(183, 7, 18)], 8, 2)],
+)
+@example(
+    dtype="float32",
+    knobs=dict(
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        preemption=("recompute", 4.0),
+        scheduling="static",
+    ),
+    schedule=[([pinned(20, 0, 8), pinned(20, 1, 2)], 3, 1), ([pinned(30, 2, 4)], 1, None)],
+)
+@example(
+    dtype="float32",
+    knobs=dict(
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        preemption=("recompute", 4.0),
+        scheduling="static",
+    ),
+    schedule=[([pinned(20, 0, 8), pinned(20, 1, 2)], 3, 0)],
+)
 # Speculation beside preemption, swap, the prefix cache and an abort (drafts are accepted: greedy loops).
-@example(dtype="bfloat16", knobs=dict(num_kv_blocks=24, max_num_batched_tokens=64, max_num_seqs=12,
-                                      enable_prefix_caching=True, preemption=("swap", 0.0004),
-                                      scheduling="continuous", num_speculative_tokens=4),
-         schedule=[([pinned(100, 0), pinned(110, 1, 20), pinned(120, 2, prefix=0)], 2, None),
-                   ([pinned(100, 3, 23, prefix=0), pinned(60, 4, 12, 0.7), pinned(30, 5)], 4, 1)])
+@example(
+    dtype="bfloat16",
+    knobs=dict(
+        num_kv_blocks=24,
+        max_num_batched_tokens=64,
+        max_num_seqs=12,
+        enable_prefix_caching=True,
+        preemption=("swap", 0.0004),
+        scheduling="continuous",
+        num_speculative_tokens=4,
+    ),
+    schedule=[
+        ([pinned(100, 0), pinned(110, 1, 20), pinned(120, 2, prefix=0)], 2, None),
+        ([pinned(100, 3, 23, prefix=0), pinned(60, 4, 12, 0.7), pinned(30, 5)], 4, 1),
+    ],
+)
 @fuzz_settings
 @given(dtype=st.sampled_from(MODES), knobs=KNOBS, schedule=SCHEDULES)
 def lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
@@ -298,7 +385,7 @@ def lanes_never_mix_fuzzed(smollm2_shapes, dtype, knobs, schedule):
     for rid, (req, got) in runs.items():
         expected, reason = lone(smollm2_shapes, dtype, knobs["max_num_seqs"], req)
         if rid in aborted:
-            assert got == expected[:len(got)], f"{rid} {req} (aborted) differs from its lone run"
+            assert got == expected[: len(got)], f"{rid} {req} (aborted) differs from its lone run"
         else:
             assert (got, finished[rid]) == (expected, reason), f"{rid} {req} differs from its lone run"
     TALLY[f"examples {dtype}"] += 1
@@ -313,7 +400,17 @@ def test_lanes_never_mix_fuzzed(smollm2_shapes):
     TALLY.clear()
     lanes_never_mix_fuzzed(smollm2_shapes)
     print(dict(TALLY))
-    for path in (*(f"examples {m}" for m in MODES), "preemptions recompute", "preemptions swap", "swapped",
-                 "preempted after decoding", "prefix hits", "abort running", "abort waiting", "abort swapped",
-                 "abort held", "accepted drafts"):
+    for path in (
+        *(f"examples {m}" for m in MODES),
+        "preemptions recompute",
+        "preemptions swap",
+        "swapped",
+        "preempted after decoding",
+        "prefix hits",
+        "abort running",
+        "abort waiting",
+        "abort swapped",
+        "abort held",
+        "accepted drafts",
+    ):
         assert TALLY[path] > 0, path

@@ -1,4 +1,5 @@
 """tokenizer.py against transformers on the embedded SmolLM2 GGUF, plus HF-directory and streaming checks."""
+
 import importlib.util
 import json
 import os
@@ -13,7 +14,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CORPUS = [
     "Hello, world!",
     "def fib(n: int) -> int:\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }',
     "3.14159265358979323846 and 1234567890123456789 and 2024-01-31, 10,000,000 $9.99 1e-5",
     "a  1 b   22\t333\n4444",
     "  leading spaces, trailing spaces   ",
@@ -34,8 +35,11 @@ CORPUS = [
 
 CHATS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}],
-    [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a joke about 日本 and 😀."}],
+    [
+        {"role": "user", "content": "Hi there!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about 日本 and 😀."},
+    ],
     [{"role": "user", "content": "No system prompt here."}],
 ]
 
@@ -58,8 +62,9 @@ def hf_dir(hf, tmp_path_factory):
 
 
 def hf_chat(hf, messages, add_generation_prompt=True):
-    return hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                  return_dict=False)
+    return hf.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
 
 
 def test_gguf_metadata(tok):
@@ -83,7 +88,7 @@ def test_special_token_strings_become_special_ids(tok):
 
 def test_bytes_missing_from_vocab_are_dropped_like_transformers(tok, hf):
     # SmolLM has no token for some control bytes; HF drops them and merges across the gap.
-    for text in ["a\x04b", "-)\x04\"x", "hel\x04lo\x06!!", "<|im_end|>\x04)\x04\""]:
+    for text in ["a\x04b", '-)\x04"x', "hel\x04lo\x06!!", '<|im_end|>\x04)\x04"']:
         assert tok.encode(text) == hf(text, add_special_tokens=False)["input_ids"]
 
 
@@ -127,15 +132,20 @@ BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": Tr
 PRE_TOKENIZERS = {
     # SmolLM2's own tokenizer.json on the Hub splits digits first.
     "digits": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, BYTE_LEVEL]},
-    "llama3_split": {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False},
-        {**BYTE_LEVEL, "use_regex": False}]},
+    "llama3_split": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False},
+            {**BYTE_LEVEL, "use_regex": False},
+        ],
+    },
 }
 
 
 @pytest.mark.parametrize("variant", PRE_TOKENIZERS)
 def test_hf_pre_tokenizer_variants(hf_dir, tmp_path, variant):
     from transformers import AutoTokenizer
+
     path = write_variant(hf_dir, tmp_path, PRE_TOKENIZERS[variant])
     hf, tok = AutoTokenizer.from_pretrained(path), load_tokenizer(str(path))
     for text in [*CORPUS, "x  1", "a\x04 22", "\n\n\n  \t1"]:
@@ -144,13 +154,16 @@ def test_hf_pre_tokenizer_variants(hf_dir, tmp_path, variant):
 
 def test_template_from_tokenizer_config_renders_like_transformers(hf_dir, tmp_path):
     from transformers import AutoTokenizer
-    template = ("{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('bad role') }}{% endif %}"
-                "{{ m.role }}: {{ m.content | tojson }}\n{% if loop.index == 2 %}{% break %}{% endif %}"
-                "{% endfor %}{{ eos_token }}{% if add_generation_prompt %}go{% endif %}")
+
+    template = (
+        "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('bad role') }}{% endif %}"
+        "{{ m.role }}: {{ m.content | tojson }}\n{% if loop.index == 2 %}{% break %}{% endif %}"
+        "{% endfor %}{{ eos_token }}{% if add_generation_prompt %}go{% endif %}"
+    )
     path = write_variant(hf_dir, tmp_path, chat_template=template)
     hf, tok = AutoTokenizer.from_pretrained(path), load_tokenizer(str(path))
     for messages in CHATS:
-        messages = [*messages, {"role": "user", "content": "<b>\"quoted\" & ünïcode</b>", "name": None}]
+        messages = [*messages, {"role": "user", "content": '<b>"quoted" & ünïcode</b>', "name": None}]
         assert tok.apply_chat_template(messages) == hf_chat(hf, messages)
     with pytest.raises(ValueError, match="chat template: bad role"):
         tok.apply_chat_template([{"role": "bad", "content": ""}])
@@ -210,10 +223,13 @@ def test_detokenizer_stop_inside_token(tok):
     assert detok.stopped == "orl" and detok.text == "Hello w"
 
 
-@pytest.mark.parametrize("text, stop, released, held", [
-    ("Count: one two th", ["STOP", "two three"], "Count: one ", "two th"),
-    ("Count: one two ST", ["STOP", "two three"], "Count: one two ", "ST"),
-])
+@pytest.mark.parametrize(
+    "text, stop, released, held",
+    [
+        ("Count: one two th", ["STOP", "two three"], "Count: one ", "two th"),
+        ("Count: one two ST", ["STOP", "two three"], "Count: one two ", "ST"),
+    ],
+)
 def test_detokenizer_holds_possible_stop_prefix_until_flush(tok, text, stop, released, held):
     detok, pieces = stream(tok, tok.encode(text), stop)
     assert not detok.stopped and detok.text == "".join(pieces) == released
@@ -224,8 +240,11 @@ def test_detokenizer_holds_possible_stop_prefix_until_flush(tok, text, stop, rel
 def test_detokenizer_flush_stops_at_a_stop_string_too():
     # A reply ending inside a character ends with U+FFFD; a stop string that it completes is not let out.
     tok = byte_tokenizer(512)
-    for stop, streamed, flushed, stopped in [("\ufffd", "a", "", "\ufffd"), ("a\ufffd", "", "", "a\ufffd"),
-                                             ("\ufffd!", "a", "\ufffd", None)]:
+    for stop, streamed, flushed, stopped in [
+        ("\ufffd", "a", "", "\ufffd"),
+        ("a\ufffd", "", "", "a\ufffd"),
+        ("\ufffd!", "a", "\ufffd", None),
+    ]:
         detok, pieces = stream(tok, [ord("a"), 0xC3], [stop])
         assert "".join(pieces) == streamed
         assert detok.flush() == flushed and detok.text == streamed + flushed and detok.stopped == stopped

@@ -2,6 +2,7 @@
 touch it: they post to the thread's inbox (a Submit, or request ids to abort) and read outputs from their own
 queue. The thread drains the inbox between steps and only ever puts to unbounded queues, so no client can
 stall a step; it times each sequence's tokens for /metrics."""
+
 from __future__ import annotations
 
 import queue
@@ -10,18 +11,19 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-import openai_api
-from openai_api import ApiError
 from config import EngineConfig
 from engine import Engine, SamplingParams
-from events import StepEvents
-from metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Histogram
 from parallel import WorkerFailure
+from server import openai_api
+from server.errors import ApiError
+from server.events import StepEvents
+from server.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Histogram
 
 
 @dataclass
 class Submit:
     """One HTTP request's sequences (n per prompt), added all together or not at all."""
+
     seqs: list[tuple[str, list[int], SamplingParams]]
     replies: queue.Queue  # first None (accepted) or an ApiError, then RequestOutputs
     submitted: float = field(default_factory=time.monotonic)
@@ -30,6 +32,7 @@ class Submit:
 @dataclass
 class Stream:
     """Where the engine thread puts one sequence's outputs, and when it last produced one."""
+
     replies: queue.Queue
     submitted: float
     last: float  # when submitted, then when it last produced a token
@@ -40,7 +43,7 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, max_queue: int = 1024, served_model_name: str | list[str] | None = None):
         self.config, self.max_queue, self.served_model_name = config, max_queue, served_model_name
         self.engine: Engine | None = None  # set once loaded
-        self.model_names: list[str] = []   # the name replies carry first, then others a request may use
+        self.model_names: list[str] = []  # the name replies carry first, then others a request may use
         self.stats: dict[str, float] = {}  # the engine's, snapshot by its thread: it alone may read the engine
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.queue_time, self.e2e = Histogram(REQUEST_BUCKETS), Histogram(REQUEST_BUCKETS)
@@ -104,8 +107,11 @@ class EngineLoop:
             self._serve(engine, streams, items)
         except BaseException as e:  # a bug outside a step, or a lost worker: say so everywhere instead of hanging
             traceback.print_exc()
-            self.dead = (str(e) if isinstance(e, WorkerFailure)
-                         else f"the engine thread died ({type(e).__name__}: {e}); restart the server")
+            self.dead = (
+                str(e)
+                if isinstance(e, WorkerFailure)
+                else f"the engine thread died ({type(e).__name__}: {e}); restart the server"
+            )
             for stream in streams.values():
                 stream.replies.put(ApiError(503, self.dead))
             self._refuse_inbox(items)
@@ -165,11 +171,17 @@ class EngineLoop:
         free = 0 if busy else c.max_num_seqs - s["num_running"]
         waiting = s["num_waiting"] + s["num_swapped"]
         if len(job.seqs) > self.max_queue + c.max_num_seqs:  # never accepted: a 429 would have the client retry
-            return ApiError(400, f"this request has {len(job.seqs)} sequences (prompts times n), more than the "
-                                 f"server takes (--max-num-seqs {c.max_num_seqs} plus --max-queue {self.max_queue})")
+            return ApiError(
+                400,
+                f"this request has {len(job.seqs)} sequences (prompts times n), more than the "
+                f"server takes (--max-num-seqs {c.max_num_seqs} plus --max-queue {self.max_queue})",
+            )
         if waiting + len(job.seqs) - free > self.max_queue:
-            return ApiError(429, f"{waiting} requests are waiting (--max-queue {self.max_queue}); retry later",
-                            code="rate_limit_exceeded")
+            return ApiError(
+                429,
+                f"{waiting} requests are waiting (--max-queue {self.max_queue}); retry later",
+                code="rate_limit_exceeded",
+            )
         added: list[str] = []
         try:
             for rid, ids, params in job.seqs:

@@ -1,4 +1,5 @@
 """Checkpoint loading against transformers as the reference, GGUF and HF safetensors."""
+
 import dataclasses
 import importlib.util
 import json
@@ -51,11 +52,19 @@ def reference(hf_model):
 def tiny_llama(tied: bool, scaled: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
         max_position_embeddings=131072 if scaled else 8192,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **SCALING} if scaled
-        else {"rope_type": "default", "rope_theta": 500000.0})
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **SCALING}
+        if scaled
+        else {"rope_type": "default", "rope_theta": 500000.0},
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -63,12 +72,19 @@ def expected_config(model: LlamaForCausalLM) -> ModelConfig:
     c = model.config
     rope = c.rope_parameters
     return ModelConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
         rope_theta=rope["rope_theta"],
         rope_scaling={k: rope[k] for k in SCALING} if rope["rope_type"] == "llama3" else None,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
 
 
 def expected_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -126,9 +142,16 @@ def test_default_gguf_matches_transformers(default_loaded, reference):
     assert config == PRESETS[DEFAULT_MODEL]
     ref = reference.config
     assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
-        ref.vocab_size, ref.hidden_size, ref.intermediate_size, ref.num_hidden_layers)
+        ref.vocab_size,
+        ref.hidden_size,
+        ref.intermediate_size,
+        ref.num_hidden_layers,
+    )
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
-        ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
+        ref.num_attention_heads,
+        ref.num_key_value_heads,
+        ref.head_dim,
+    )
     assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)
     assert config.rope_theta == ref.rope_parameters["rope_theta"] and ref.rope_parameters["rope_type"] == "default"
     assert config.max_position_embeddings == ref.max_position_embeddings
@@ -171,9 +194,17 @@ def test_hf_config_written_by_transformers_4(tmp_path):
     assert load_weights(str(tmp_path))[0] == expected_config(model)
 
 
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 Q = gguf.GGMLQuantizationType
 
 
@@ -198,8 +229,11 @@ def write_gguf(path, model: LlamaForCausalLM, qtypes: dict[str, Q], extra: dict[
     expected = {}
     for name, w in expected_state(model).items():
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            gguf_name = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
-                         "lm_head.weight": "output"}[name]
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd",
+                "model.norm.weight": "output_norm",
+                "lm_head.weight": "output",
+            }[name]
         else:
             layer, part = name.split(".")[2], ".".join(name.split(".")[3:-1])
             gguf_name = f"blk.{layer}.{GGUF_NAMES[part]}"
@@ -221,11 +255,27 @@ def write_gguf(path, model: LlamaForCausalLM, qtypes: dict[str, Q], extra: dict[
     return expected
 
 
-@pytest.mark.parametrize("tied, scaled, qtypes", [
-    (True, False, {}),
-    (False, True, {"token_embd": Q.F16, "attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.BF16, "attn_output": Q.Q4_0,
-                   "ffn_gate": Q.Q4_1, "ffn_up": Q.Q8_0, "ffn_down": Q.F16, "output": Q.Q8_0}),
-])
+@pytest.mark.parametrize(
+    "tied, scaled, qtypes",
+    [
+        (True, False, {}),
+        (
+            False,
+            True,
+            {
+                "token_embd": Q.F16,
+                "attn_q": Q.Q8_0,
+                "attn_k": Q.Q8_0,
+                "attn_v": Q.BF16,
+                "attn_output": Q.Q4_0,
+                "ffn_gate": Q.Q4_1,
+                "ffn_up": Q.Q8_0,
+                "ffn_down": Q.F16,
+                "output": Q.Q8_0,
+            },
+        ),
+    ],
+)
 def test_gguf_written_like_llama_cpp(tmp_path, tied, scaled, qtypes):
     model = tiny_llama(tied, scaled)
     expected = write_gguf(tmp_path / "tiny.gguf", model, qtypes)
@@ -245,7 +295,7 @@ def test_unsupported_gguf_type_is_a_clear_error(tmp_path):
 def test_a_damaged_checkpoint_or_a_missing_path_is_named(tmp_path):
     write_gguf(tmp_path / "cut.gguf", tiny_llama(False, False), {}, {})
     data = (tmp_path / "cut.gguf").read_bytes()
-    (tmp_path / "cut.gguf").write_bytes(data[:len(data) * 3 // 4])  # a download cut short
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) * 3 // 4])  # a download cut short
     with pytest.raises(ValueError, match=f"cannot load {tmp_path / 'cut.gguf'}: "):
         load_weights(str(tmp_path / "cut.gguf"))
     for model, path in ((str(tmp_path / "nothing.gguf"), None), ("smollm2-135m", str(tmp_path / "nothing"))):
@@ -256,10 +306,17 @@ def test_a_damaged_checkpoint_or_a_missing_path_is_named(tmp_path):
 def test_a_gguf_without_the_gguf_package_says_what_to_install(tmp_path):
     # In a process of its own: this one's GGUF reader is cached (conftest.py).
     write_gguf(tmp_path / "m.gguf", tiny_llama(False, False), {}, {})
-    code = ("import sys, weights\nsys.modules['gguf.gguf_reader'] = None  # importing it raises ImportError\n"
-            "try:\n    weights.load_weights(sys.argv[1])\nexcept ImportError as e:\n    print(e)\n")
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=120)
+    code = (
+        "import sys, weights\nsys.modules['gguf.gguf_reader'] = None  # importing it raises ImportError\n"
+        "try:\n    weights.load_weights(sys.argv[1])\nexcept ImportError as e:\n    print(e)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "m.gguf")],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=120,
+    )
     assert run.stdout.startswith("reading GGUF files needs the gguf package (pip install gguf): "), run
 
 
@@ -356,8 +413,15 @@ def test_dummy_weights_have_the_loaded_shapes(default_loaded, tmp_path):
     assert torch.equal(dummy_weights(config, seed=1)["lm_head.weight"], dummy_weights(config, seed=1)["lm_head.weight"])
 
 
-@pytest.mark.parametrize("name, params", [("smollm2-135m", 134_515_008), ("llama3-8b", 8_030_261_248),
-                                          ("llama3.1-8b", 8_030_261_248), ("llama3.2-1b", 1_235_814_400)])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("smollm2-135m", 134_515_008),
+        ("llama3-8b", 8_030_261_248),
+        ("llama3.1-8b", 8_030_261_248),
+        ("llama3.2-1b", 1_235_814_400),
+    ],
+)
 def test_preset_sizes(name, params):
     """The published parameter counts, checked without allocating an 8B model."""
     assert sum(np.prod(s) for s in weights.weight_shapes(PRESETS[name]).values()) == params
@@ -370,8 +434,10 @@ def test_llama31_preset_is_llama3_with_scaling():
 
 def our_logits(path, ids: list[list[int]]) -> torch.Tensor:
     """Last-position logits of each prompt, run together through our model over a paged cache."""
-    from kv_cache import BlockManager, KVCache, KVShape, slots as slots_of
+    from kv_cache import BlockManager, KVCache, KVShape
+    from kv_cache import slots as slots_of
     from model import BatchMeta, Transformer
+
     config, state = load_weights(str(path))
     model = Transformer(config, 64)
     model.load_hf_state_dict(state)
@@ -384,10 +450,17 @@ def our_logits(path, ids: list[list[int]]) -> torch.Tensor:
         slots += slots_of(tables[-1], 4, 0, len(x))
         starts.append(starts[-1] + len(x))
     width = max(map(len, tables))
-    meta = BatchMeta(torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-                     torch.tensor([len(x) for x in ids], dtype=torch.int32),
-                     torch.tensor(starts[1:]) - 1, max(map(len, ids)), max(map(len, ids)), list(map(len, ids)),
-                     list(map(len, ids)), list(map(len, ids)))
+    meta = BatchMeta(
+        torch.tensor(slots),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor([len(x) for x in ids], dtype=torch.int32),
+        torch.tensor(starts[1:]) - 1,
+        max(map(len, ids)),
+        max(map(len, ids)),
+        list(map(len, ids)),
+        list(map(len, ids)),
+        list(map(len, ids)),
+    )
     return model(torch.tensor(sum(ids, [])), torch.cat([torch.arange(len(x)) for x in ids]), meta, cache.layers)
 
 

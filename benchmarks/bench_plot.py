@@ -4,16 +4,21 @@
 
 def plot(report: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     runs = report.get("runs", {})
     probed = any(run.get("mixed") for run in runs.values())
     fig, axes = plt.subplots(1, 2 if probed else 1, figsize=(14 if probed else 7, 5), squeeze=False)
     curve, row = axes[0][0], 0
     for label, run in runs.items():
         for key, style in (("p95_itl_ms", "-o"), ("p95_ttft_ms", "--s")):
-            pts = [(lv["metrics"]["output_throughput"], lv["metrics"][key], lv["concurrency"]) for lv in run["sweep"]
-                   if lv["metrics"][key] is not None]
+            pts = [
+                (lv["metrics"]["output_throughput"], lv["metrics"][key], lv["concurrency"])
+                for lv in run["sweep"]
+                if lv["metrics"][key] is not None
+            ]
             if pts:
                 curve.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{label} {key[4:-3].upper()}")
                 for x, y, c in pts:
@@ -28,8 +33,12 @@ def plot(report: dict, path: str) -> None:
         if run.get("mixed"):
             axes[0][1].text(0, row, f"{label} (red: long, blue: short, |: first token)", fontsize=8)
             row += 2
-    curve.set(xlabel="Output token throughput (tok/s)", ylabel="P95 latency (ms)", yscale="log",
-              title="Throughput vs p95 latency per concurrency level")
+    curve.set(
+        xlabel="Output token throughput (tok/s)",
+        ylabel="P95 latency (ms)",
+        yscale="log",
+        title="Throughput vs p95 latency per concurrency level",
+    )
     curve.legend()
     if probed:
         axes[0][1].set(xlabel="seconds", ylabel="request", title="Mixed probe timeline", ylim=(-1, row))  # labels in

@@ -3,6 +3,7 @@ finish reason are bit for bit those without, in every path (sampling, penalties,
 drafts, max_tokens mid-run, prefix caching, preemption, static batching, 1 to 64 lanes). On random weights in
 SmolLM2's shapes, whose greedy and low-temperature outputs fall into loops: drafts are proposed and accepted
 (each test asserts it, so that it can fail), and an accepted draft's logits are compared bit for bit."""
+
 import argparse
 import random
 from collections import defaultdict
@@ -15,8 +16,13 @@ from speculation import NgramIndex
 
 
 def engine(model: str, k: int, **knobs) -> LLM:
-    return LLM(model=model, dummy_weights=True, device="cpu", num_speculative_tokens=k,
-               **{"num_kv_blocks": 1024, "dtype": "bfloat16", **knobs})
+    return LLM(
+        model=model,
+        dummy_weights=True,
+        device="cpu",
+        num_speculative_tokens=k,
+        **{"num_kv_blocks": 1024, "dtype": "bfloat16", **knobs},
+    )
 
 
 def run(llm: LLM, requests: list[tuple[list[int] | str, SamplingParams]]) -> tuple[dict[str, list], dict[str, tuple]]:
@@ -58,12 +64,22 @@ def looping(rng: random.Random, n: int) -> list[int]:
 
 def mixed(rng: random.Random, count: int) -> list[tuple[list[int], SamplingParams]]:
     """Greedy and seeded low-temperature requests, with logprobs, penalties, logit_bias, min_tokens."""
-    kinds = [dict(temperature=0), dict(temperature=0.2, seed=7), dict(temperature=0.3, top_k=20, seed=3),
-             dict(temperature=0, repetition_penalty=1.1), dict(temperature=0.2, presence_penalty=0.5, seed=1),
-             dict(temperature=0, frequency_penalty=0.3, logit_bias={301: 2.0}), dict(temperature=0, min_tokens=8)]
-    return [(looping(rng, rng.randint(8, 60)), SamplingParams(max_tokens=rng.randint(5, 40), logprobs=2,
-                                                              ignore_eos=True, **kinds[i % len(kinds)]))
-            for i in range(count)]
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.2, seed=7),
+        dict(temperature=0.3, top_k=20, seed=3),
+        dict(temperature=0, repetition_penalty=1.1),
+        dict(temperature=0.2, presence_penalty=0.5, seed=1),
+        dict(temperature=0, frequency_penalty=0.3, logit_bias={301: 2.0}),
+        dict(temperature=0, min_tokens=8),
+    ]
+    return [
+        (
+            looping(rng, rng.randint(8, 60)),
+            SamplingParams(max_tokens=rng.randint(5, 40), logprobs=2, ignore_eos=True, **kinds[i % len(kinds)]),
+        )
+        for i in range(count)
+    ]
 
 
 @pytest.mark.slow
@@ -74,16 +90,19 @@ def test_same_outputs_with_and_without_speculation(smollm2_shapes, lanes):
     check_same(smollm2_shapes, requests, max_num_seqs=lanes, max_num_batched_tokens=256)
 
 
-PARAGRAPH = ("The library opens at nine in the morning and closes at six in the evening. Members may borrow up to "
-             "five books at a time, and books are due back within three weeks.")
+PARAGRAPH = (
+    "The library opens at nine in the morning and closes at six in the evening. Members may borrow up to "
+    "five books at a time, and books are due back within three weeks."
+)
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     """The real model: asked to repeat a paragraph, it copies it, and its drafts (from the prompt) are accepted."""
     engines = {k: LLM(device="cpu", num_kv_blocks=256, num_speculative_tokens=k) for k in (0, 6)}
-    prompt = engines[0].tokenizer.apply_chat_template([{"role": "user", "content": "Repeat this paragraph word "
-                                                        f"for word, changing 'five' to 'ten':\n\n{PARAGRAPH}"}])
+    prompt = engines[0].tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this paragraph word for word, changing 'five' to 'ten':\n\n{PARAGRAPH}"}]
+    )
     return engines, prompt
 
 
@@ -102,10 +121,11 @@ def test_stops_and_max_tokens_inside_an_accepted_run(smollm2):
         out = run(engines[0], [(prompt, SamplingParams(**{**greedy, **params}))])
         assert run(engines[6], [(prompt, SamplingParams(**{**greedy, **params}))]) == out
         assert where(out[1]["0"][3] - 1), params  # the index of its last token
+
     first = [i for i in inside if tokens[i] not in tokens[:i]]
     check(dict(stop_token_ids=[tokens[first[0]]]), lambda last: last in inside)
     check(dict(stop_token_ids=[tokens[first[-1]]], min_tokens=first[-1] - 2), lambda last: last in inside)
-    text = engines[0].tokenizer.decode(tokens[:inside[len(inside) // 2] + 1])
+    text = engines[0].tokenizer.decode(tokens[: inside[len(inside) // 2] + 1])
     check(dict(stop=[text[-6:]]), lambda last: last in accepted)
     check(dict(max_tokens=inside[len(inside) // 2] + 1), lambda last: last in inside)
 
@@ -126,8 +146,14 @@ def test_prefix_caching_preemption_and_static_batching(smollm2_shapes):
     llm = check_same(smollm2_shapes, requests, enable_prefix_caching=True, max_num_batched_tokens=64)
     assert llm.scheduler.prefix_hits > 0
     for preemption in ("recompute", "swap"):  # 24 blocks of 16 tokens: a few sequences at a time
-        llm = check_same(smollm2_shapes, requests, num_kv_blocks=24, max_num_batched_tokens=64,
-                         preemption_mode=preemption, swap_space=0.05)
+        llm = check_same(
+            smollm2_shapes,
+            requests,
+            num_kv_blocks=24,
+            max_num_batched_tokens=64,
+            preemption_mode=preemption,
+            swap_space=0.05,
+        )
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
     check_same(smollm2_shapes, requests, scheduling="static", max_num_seqs=4)
@@ -136,13 +162,16 @@ def test_prefix_caching_preemption_and_static_batching(smollm2_shapes):
 def test_drafts_only_in_spare_rows(smollm2_shapes):
     # Lanes share DRAFT_ROWS: one lane drafts up to num_speculative_tokens, eight or more decoding lanes none.
     import speculation
+
     llm = engine(smollm2_shapes, 6, trace=True)
     llm.generate([looping(random.Random(1), 30)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert max(s.num_new_tokens for step in llm.trace[1:] for s in step) == 7
     llm = engine(smollm2_shapes, 6, trace=True)
     rng = random.Random(2)
-    llm.generate([looping(rng, 30) for _ in range(speculation.DRAFT_ROWS)],
-                 SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    llm.generate(
+        [looping(rng, 30) for _ in range(speculation.DRAFT_ROWS)],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    )
     assert llm.num_draft_tokens == 0
 
 
@@ -152,12 +181,13 @@ def test_ngram_index_matches_a_rescan():
     def rescan(tokens: list[int], k: int) -> list[int]:
         for n in range(4, 1, -1):
             for end in range(len(tokens) - 1, n - 1, -1):
-                if tokens[end - n:end] == tokens[-n:]:
-                    draft = tokens[end:end + k]
+                if tokens[end - n : end] == tokens[-n:]:
+                    draft = tokens[end : end + k]
                     while len(draft) < k:
                         draft.append(draft[len(draft) - (len(tokens) - end)])
                     return draft
         return []
+
     rng = random.Random(0)
     for _ in range(20):
         index, tokens = NgramIndex(2, 4, 5), []
@@ -191,8 +221,12 @@ def test_a_lane_drafts_one_more_than_its_last_verify_accepted():
 def test_speculative_config_flag():
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_cli_args(parser)
-    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 8, '
-                                                      '"prompt_lookup_max": 5, "prompt_lookup_min": 3}'])
+    args = parser.parse_args(
+        [
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 5, "prompt_lookup_min": 3}',
+        ]
+    )
     c = from_cli_args(args)
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (8, 5, 3)
     args = parser.parse_args(["--num-speculative-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 0}'])
@@ -206,9 +240,9 @@ def test_speculative_config_flag():
         EngineConfig(num_speculative_tokens="8")
 
 
-
 def test_metrics_count_drafts_and_accepted(smollm2_shapes):
-    from metrics import Histogram, prometheus_text
+    from server.metrics import Histogram, prometheus_text
+
     llm = engine(smollm2_shapes, 4)
     llm.generate([looping(random.Random(3), 20)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     h = Histogram([1.0])

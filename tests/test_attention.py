@@ -1,5 +1,6 @@
 """Tests of attention_cuda: the pure-PyTorch reference against a naive float64 loop (CPU), the CUDA
 sources against the compilers (needs nvcc, no GPU), and the kernel against the reference (GPU)."""
+
 import math
 import os
 import shutil
@@ -15,14 +16,16 @@ import cpu_matmul
 from attention_cuda import paged_attention, paged_attention_varlen, store_kv
 from model import BatchMeta
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 DEVICE = "cuda"  # where the kernel tests put their tensors
 
 
 # helpers
 
-def make_batch(seed, lanes, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
-               q_scale=2.0, extra_columns=2):
+
+def make_batch(
+    seed, lanes, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, q_scale=2.0, extra_columns=2
+):
     """A random paged cache and a flattened batch of lanes, each lane (context_len, q_len), on the
     CPU. Blocks are handed out in shuffled order (so no lane's blocks are contiguous or in order),
     some blocks belong to no lane, and unused block-table entries are 0, as the engine leaves them."""
@@ -44,8 +47,9 @@ def make_batch(seed, lanes, num_heads, num_kv_heads, head_dim, block_size, dtype
     return query, k_cache, v_cache, tables, context_lens, query_start_loc
 
 
-def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, rounded=None,
-                    window=0):
+def naive_attention(
+    query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, rounded=None, window=0
+):
     """Lane by lane, token by token through the block table, softmax written out, in float64; with
     `rounded` (a dtype), the scaled query, the scores and the weights are rounded to it on the way; with
     `window`, a token at pos sees keys pos - window + 1 .. pos only."""
@@ -61,9 +65,9 @@ def naive_attention(query, k_cache, v_cache, block_tables, context_lens, query_s
             pos = ctx - (end - start) + (row - start)  # this query token's position; it sees 0..pos
             first = max(0, pos - window + 1) if window else 0
             for h in range(query.shape[1]):
-                logits = r(keys[first:pos + 1, h // group] @ r(query[row, h].double() * scale))
+                logits = r(keys[first : pos + 1, h // group] @ r(query[row, h].double() * scale))
                 w = torch.exp(logits - logits.max())
-                out[row, h] = r(w / w.sum()) @ values[first:pos + 1, h // group]
+                out[row, h] = r(w / w.sum()) @ values[first : pos + 1, h // group]
     return out
 
 
@@ -71,17 +75,20 @@ def varlen(query, k_cache, v_cache, block_tables, context_lens, query_start_loc,
     """paged_attention_varlen on a make_batch batch, with the host's copies of its lengths."""
     starts = query_start_loc.tolist()
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
-    return paged_attention_varlen(query, k_cache, v_cache, block_tables, context_lens, query_lens,
-                                  context_lens.tolist(), scale)
+    return paged_attention_varlen(
+        query, k_cache, v_cache, block_tables, context_lens, query_lens, context_lens.tolist(), scale
+    )
 
 
 def reference_decode(query, k_cache, v_cache, block_tables, context_lens, scale):
     """The reference decode on CPU in float32."""
-    return paged_attention(query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(), block_tables.cpu(),
-                           context_lens.cpu(), scale)
+    return paged_attention(
+        query.float().cpu(), k_cache.float().cpu(), v_cache.float().cpu(), block_tables.cpu(), context_lens.cpu(), scale
+    )
 
 
 # the reference, on CPU
+
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -89,11 +96,20 @@ def test_reference_varlen_matches_naive(group, block_size):
     # Decode lanes (leading ones go to the decode path together, later ones through SDPA), whole prompts,
     # and prefill chunks with earlier context, in mixed order; contexts ending mid-block and exactly on a
     # block boundary.
-    lanes = [(1, 1), (37, 1), (7, 7), (50, 9), (2 * block_size, 1), (block_size + 1, block_size + 1),
-             (70, 16), (block_size - 1, 1), (3 * block_size, block_size)]
+    lanes = [
+        (1, 1),
+        (37, 1),
+        (7, 7),
+        (50, 9),
+        (2 * block_size, 1),
+        (block_size + 1, block_size + 1),
+        (70, 16),
+        (block_size - 1, 1),
+        (3 * block_size, block_size),
+    ]
     head_dim = 128 if group == 4 else 64
     batch = make_batch(group * 10 + block_size, lanes, 2 * group, 2, head_dim, block_size)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = varlen(*batch, scale)
     expected = naive_attention(*batch, scale)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
@@ -115,16 +131,30 @@ def test_sliding_window_in_every_form(window, dtype):
     # start mid-block and mid-bucket.
     lanes = [(1, 1), (37, 1), (300, 1), (70, 1), (7, 7), (50, 9), (130, 130), (200, 70)]
     batch = make_batch(window, lanes, 8, 2, 64, 16, dtype)
-    expected = naive_attention(*[x.double() if x.is_floating_point() else x for x in batch], 0.125,
-                               rounded=dtype if dtype != torch.float32 else None, window=window)
+    expected = naive_attention(
+        *[x.double() if x.is_floating_point() else x for x in batch],
+        0.125,
+        rounded=dtype if dtype != torch.float32 else None,
+        window=window,
+    )
     if dtype == torch.float32:  # the reference's SDPA rounds otherwise than HF's eager attention in bfloat16
         starts = batch[5].tolist()
-        out = paged_attention_varlen(*batch[:5], [b - a for a, b in zip(starts, starts[1:])], batch[4].tolist(),
-                                     0.125, window=window)
+        out = paged_attention_varlen(
+            *batch[:5], [b - a for a, b in zip(starts, starts[1:])], batch[4].tolist(), 0.125, window=window
+        )
         torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
     prompt_lens = [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]  # prompt and generated tokens
-    meta = BatchMeta(torch.empty(0), batch[3], batch[4], torch.empty(0), 130, 300, [n for _, n in lanes],
-                     [c for c, _ in lanes], prompt_lens)
+    meta = BatchMeta(
+        torch.empty(0),
+        batch[3],
+        batch[4],
+        torch.empty(0),
+        130,
+        300,
+        [n for _, n in lanes],
+        [c for c, _ in lanes],
+        prompt_lens,
+    )
     out = cpu.BucketedAttention()(*batch[:3], meta, 0.125, window=window)
     torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
     if window < 300:  # the window matters: without it, the longest lane's answer differs
@@ -142,13 +172,31 @@ def cpu_attention(query, k_cache, v_cache, block_tables, lanes, scale, prompt_le
     kernel: whether generated tokens take cpu_matmul's token_attention (None: where it builds)."""
     lens = [n for _, n in lanes]
     ctx = [c for c, _ in lanes]
-    meta = BatchMeta(torch.empty(0), block_tables, torch.tensor(ctx, dtype=torch.int32),
-                     torch.empty(0), max(lens), max(ctx), lens, ctx, prompt_lens or [0] * len(lanes))
+    meta = BatchMeta(
+        torch.empty(0),
+        block_tables,
+        torch.tensor(ctx, dtype=torch.int32),
+        torch.empty(0),
+        max(lens),
+        max(ctx),
+        lens,
+        ctx,
+        prompt_lens or [0] * len(lanes),
+    )
     return cpu.BucketedAttention(kernel)(query, k_cache, v_cache, meta, scale, *scales)
 
 
-KERNEL = pytest.mark.parametrize("kernel", [pytest.param(True, marks=pytest.mark.skipif(
-    cpu_matmul.isa() is None, reason="cpu_matmul's kernels need AVX2 and a compiler")), False], ids=["kernel", "torch"])
+KERNEL = pytest.mark.parametrize(
+    "kernel",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(cpu_matmul.isa() is None, reason="cpu_matmul's kernels need AVX2 and a compiler"),
+        ),
+        False,
+    ],
+    ids=["kernel", "torch"],
+)
 KV8 = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]  # --kv-cache-dtype int8, fp8_e4m3, fp8_e5m2
 
 
@@ -168,16 +216,34 @@ def test_cpu_attention_matches_naive(heads, head_dim, block_size, dtype, kind, k
     # cpu.py's attention (keys in buckets) against the float64 loop: decodes and prefill pieces with
     # earlier context, contexts within one bucket and across several, past 1,024 keys (wider buckets);
     # generated tokens, prompt tokens (in groups), and both in one step and in one piece.
-    lanes = [(1, 1), (block_size - 1, 1), (block_size, 1), (block_size + 1, 1), (300, 1), (37, 1), (1100, 1),
-             (7, 7), (50, 9), (2 * cpu.KEY_BUCKET + 5, 40), (block_size + 1, block_size + 1), (1030, 8),
-             (200, 150)]
-    prompt_lens = {"generated": None, "prompt": [c for c, _ in lanes],
-                   "both": [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]}[kind]
+    lanes = [
+        (1, 1),
+        (block_size - 1, 1),
+        (block_size, 1),
+        (block_size + 1, 1),
+        (300, 1),
+        (37, 1),
+        (1100, 1),
+        (7, 7),
+        (50, 9),
+        (2 * cpu.KEY_BUCKET + 5, 40),
+        (block_size + 1, block_size + 1),
+        (1030, 8),
+        (200, 150),
+    ]
+    prompt_lens = {
+        "generated": None,
+        "prompt": [c for c, _ in lanes],
+        "both": [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)],
+    }[kind]
     batch = make_batch(head_dim + block_size, lanes, *heads, head_dim, block_size, dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = cpu_attention(*batch[:4], lanes, scale, prompt_lens, kernel=kernel)
-    expected = naive_attention(*[x.double() if x.is_floating_point() else x for x in batch], scale,
-                               rounded=dtype if dtype != torch.float32 else None)
+    expected = naive_attention(
+        *[x.double() if x.is_floating_point() else x for x in batch],
+        scale,
+        rounded=dtype if dtype != torch.float32 else None,
+    )
     torch.testing.assert_close(out.double(), expected, **CPU_TOLERANCE[dtype])
     # The decode entry point, with the reference's signature.
     ones = 7
@@ -222,8 +288,17 @@ def test_cpu_attention_token_depends_on_its_position_only(dtype, prompt_len, kv,
         rows = [q[a:b] for a, b in pieces] + list(rest.split([n for _, n in others]))
         t = torch.cat([table] * len(pieces) + [tables[1:]])
         prompts = [prompt_len] * len(pieces) + others_prompts
-        out = cpu_attention(torch.cat([rows[i] for i in order]), k_cache, v_cache, t[order],
-                            [lanes[i] for i in order], dim ** -0.5, [prompts[i] for i in order], scales, kernel)
+        out = cpu_attention(
+            torch.cat([rows[i] for i in order]),
+            k_cache,
+            v_cache,
+            t[order],
+            [lanes[i] for i in order],
+            dim**-0.5,
+            [prompts[i] for i in order],
+            scales,
+            kernel,
+        )
         out = out.split([lanes[i][1] for i in order])
         return [out[order.index(i)] for i in range(len(pieces))]
 
@@ -265,6 +340,7 @@ def test_store_kv_exact_and_skips_padding():
 
 # the 8-bit KV cache (--kv-cache-dtype)
 
+
 def fp8_round(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """y (float64, within the format's range) rounded to the nearest value of fp8 dtype, ties to the even code:
     from the table of the format's codes, not by torch's cast."""
@@ -298,8 +374,9 @@ def test_quantize_kv_matches_the_formula_in_float64(dtype):
     # two codes: ties, which round to the even code
     x = torch.randn(40, 3, 64, generator=g) * 10 ** torch.empty(40, 3, 1).uniform_(-30, 30, generator=g)
     x[0, 0], x[0, 1], x[0, 2] = 0.0, torch.eye(64)[5] * -3.0, torch.eye(64)[7] * 1e-40  # QMAX / 1e-40 is inf
-    mags = torch.arange(128, dtype=torch.uint8).view(dtype).double() if dtype != torch.int8 \
-        else torch.arange(128).double()
+    mags = (
+        torch.arange(128, dtype=torch.uint8).view(dtype).double() if dtype != torch.int8 else torch.arange(128).double()
+    )
     mags = mags[mags.isfinite()]
     halves = (mags[:-1] + mags[1:]) / 2
     ties = halves[torch.randint(len(halves), (6, 3, 64), generator=g)] * (torch.randint(2, (6, 3, 64)) * 2 - 1)
@@ -312,13 +389,14 @@ def test_quantize_kv_matches_the_formula_in_float64(dtype):
     assert torch.equal(codes[0, 0].double(), torch.zeros(64)) and scales[0, 0] == 0  # no division by 0
     assert torch.equal(codes[0, 2].double(), torch.zeros(64)) and scales[0, 2] > 0  # no inf * x: codes 0, not NaN
     # bfloat16 keys are quantized from their float32 values
-    assert torch.equal(attention_cuda.quantize_kv(x.bfloat16(), dtype)[0].double(),
-                       quantize_float64(x.bfloat16().float(), dtype)[0])
+    assert torch.equal(
+        attention_cuda.quantize_kv(x.bfloat16(), dtype)[0].double(), quantize_float64(x.bfloat16().float(), dtype)[0]
+    )
 
 
 # dtype: (largest relative error of a rounded normal value, largest absolute error below them in units of the
 # scale: half the subnormals' spacing); int8: half a code
-ROUNDING = {torch.float8_e4m3fn: (2 ** -4, 2 ** -10), torch.float8_e5m2: (2 ** -3, 2 ** -17), torch.int8: (0, 0.5)}
+ROUNDING = {torch.float8_e4m3fn: (2**-4, 2**-10), torch.float8_e5m2: (2**-3, 2**-17), torch.int8: (0, 0.5)}
 
 
 @pytest.mark.parametrize("dtype", KV8, ids=str)
@@ -343,9 +421,12 @@ def test_store_kv_8_bit_round_trip_within_the_types_bound(dtype):
         assert not c.view(-1, 3, 64)[untouched].float().any() and not s.view(-1, 3)[untouched].any()
     # gather_kv reads a sequence's tokens dequantized, in order
     table = torch.tensor([slots[0] // 16, 4, 5])
-    assert torch.equal(attention_cuda.gather_kv(codes[0], table, 20, scales[0], torch.float64)[slots[0] % 16],
-                       attention_cuda.dequantize_kv(codes[0].view(-1, 3, 64)[slots[0]], scales[0].view(-1, 3)[slots[0]],
-                                                    torch.float64))
+    assert torch.equal(
+        attention_cuda.gather_kv(codes[0], table, 20, scales[0], torch.float64)[slots[0] % 16],
+        attention_cuda.dequantize_kv(
+            codes[0].view(-1, 3, 64)[slots[0]], scales[0].view(-1, 3)[slots[0]], torch.float64
+        ),
+    )
 
 
 @pytest.mark.parametrize("dtype", KV8, ids=str)
@@ -355,10 +436,12 @@ def test_reference_attention_reads_8_bit_caches(dtype):
     query, k_cache, v_cache, tables, lens, starts = make_batch(5, lanes, 9, 3, 64, 16)
     (k, k_scale, k_values), (v, v_scale, v_values) = quantized(k_cache, dtype), quantized(v_cache, dtype)
     expected = naive_attention(query.double(), k_values.double(), v_values.double(), tables, lens, starts, 0.125)
-    assert (expected - naive_attention(query.double(), k_cache.double(), v_cache.double(), tables, lens, starts,
-                                       0.125)).abs().max() > 1e-4  # the codes' rounding shows
-    out = paged_attention_varlen(query, k, v, tables, lens, [n for _, n in lanes], lens.tolist(), 0.125,
-                                 k_scale=k_scale, v_scale=v_scale)
+    assert (
+        expected - naive_attention(query.double(), k_cache.double(), v_cache.double(), tables, lens, starts, 0.125)
+    ).abs().max() > 1e-4  # the codes' rounding shows
+    out = paged_attention_varlen(
+        query, k, v, tables, lens, [n for _, n in lanes], lens.tolist(), 0.125, k_scale=k_scale, v_scale=v_scale
+    )
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
     out = paged_attention(query[:3], k, v, tables[:3], lens[:3], 0.125, None, k_scale, v_scale)
     torch.testing.assert_close(out.double(), expected[:3], atol=2e-5, rtol=1e-5)
@@ -388,21 +471,42 @@ def test_cpu_attention_reads_8_bit_caches(dtype, kv):
 
 # the CUDA sources compile (no GPU needed)
 
+
 @pytest.fixture(scope="module")
 def compiles(tmp_path_factory):
     """The kernel for sm_80 and sm_90 (nvcc), and the binding against torch's headers (C++ syntax only), with
     the flags torch's own build uses: C++20 and its NVCC defines (no implicit half/bfloat16 conversions). Both
     start at once, a core each; each test waits for its own."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
     commands = {
-        "kernel": ["nvcc", "-O3", "-std=c++20", *COMMON_NVCC_FLAGS, "-gencode", "arch=compute_80,code=sm_80",
-                   "-gencode", "arch=compute_90,code=sm_90", "-c", "attention_cuda/paged_attention.cu",
-                   "-o", str(tmp_path_factory.mktemp("nvcc") / "paged_attention.o")],
-        "binding": [os.environ.get("CXX", "c++"), "-std=c++20", "-fsyntax-only",
-                    f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-                    *(a for p in include_paths() for a in ("-isystem", p)), "attention_cuda/binding.cpp"]}
-    procs = {name: subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, cmd in commands.items()}
+        "kernel": [
+            "nvcc",
+            "-O3",
+            "-std=c++20",
+            *COMMON_NVCC_FLAGS,
+            "-gencode",
+            "arch=compute_80,code=sm_80",
+            "-gencode",
+            "arch=compute_90,code=sm_90",
+            "-c",
+            "attention_cuda/paged_attention.cu",
+            "-o",
+            str(tmp_path_factory.mktemp("nvcc") / "paged_attention.o"),
+        ],
+        "binding": [
+            os.environ.get("CXX", "c++"),
+            "-std=c++20",
+            "-fsyntax-only",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+            *(a for p in include_paths() for a in ("-isystem", p)),
+            "attention_cuda/binding.cpp",
+        ],
+    }
+    procs = {
+        name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, cmd in commands.items()
+    }
     yield procs
     for proc in procs.values():
         proc.kill()
@@ -428,9 +532,11 @@ def test_binding_compiles_against_torch_headers(compiles):
 
 # the kernel against the reference (GPU)
 
-TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-3),  # fp32 math, different summation order
-             torch.float16: dict(atol=1e-3, rtol=3e-3),  # plus rounding of the output
-             torch.bfloat16: dict(atol=2e-3, rtol=1.2e-2)}
+TOLERANCE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-3),  # fp32 math, different summation order
+    torch.float16: dict(atol=1e-3, rtol=3e-3),  # plus rounding of the output
+    torch.bfloat16: dict(atol=2e-3, rtol=1.2e-2),
+}
 
 
 def kv_id(kv):
@@ -448,12 +554,11 @@ def stored(k_cache, v_cache, kv):
     return (k.to(DEVICE), v.to(DEVICE)), scales, (k_values, v_values)
 
 
-def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2, kv=None,
-                 window=0):
+def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=2, kv=None, window=0):
     query, k_cache, v_cache, tables, context_lens, _ = make_batch(
-        seed, [(n, 1) for n in lens], num_heads, num_kv_heads, head_dim, block_size, dtype,
-        extra_columns=extra_columns)
-    scale = head_dim ** -0.5
+        seed, [(n, 1) for n in lens], num_heads, num_kv_heads, head_dim, block_size, dtype, extra_columns=extra_columns
+    )
+    scale = head_dim**-0.5
     caches, scales, values = stored(k_cache, v_cache, kv)
     q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
     out = attention_cuda.cuda_paged_attention(q, *caches, t, n, scale, **scales, window=window)
@@ -484,13 +589,25 @@ def test_kernel_sliding_window_matches_reference(dtype, head_dim, window, kv):
         with pytest.raises(RuntimeError, match="head_dim"):
             check_kernel(3, [5], 4, 1, head_dim, 16, dtype, window=window)
         return
-    check_kernel(window + head_dim, [1, 5, 6, 17, 100, 511, 513, 700, 1500], 8, 2 if head_dim < 256 else 1, head_dim,
-                 16, dtype, kv=kv, window=window)
+    check_kernel(
+        window + head_dim,
+        [1, 5, 6, 17, 100, 511, 513, 700, 1500],
+        8,
+        2 if head_dim < 256 else 1,
+        head_dim,
+        16,
+        dtype,
+        kv=kv,
+        window=window,
+    )
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("heads, block_size", [((4, 4), 8), ((9, 3), 16), ((32, 8), 32), ((8, 1), 16)],
-                         ids=lambda h: f"{h[0]}:{h[1]}" if isinstance(h, tuple) else f"block{h}")
+@pytest.mark.parametrize(
+    "heads, block_size",
+    [((4, 4), 8), ((9, 3), 16), ((32, 8), 32), ((8, 1), 16)],
+    ids=lambda h: f"{h[0]}:{h[1]}" if isinstance(h, tuple) else f"block{h}",
+)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kv", KV8, ids=kv_id)
@@ -522,18 +639,20 @@ def test_kernel_lane_independent_of_batch(given, kv):
     # A lane's split count comes from its own context, so its output is bitwise the same alone (in a
     # table just wide enough) as beside a 40000-token lane, whose 64 splits size the grid and scratch.
     lens = [1, 100, 513, 5000, 40000]
-    query, k_cache, v_cache, tables, context_lens, _ = make_batch(11, [(n, 1) for n in lens], 8, 2, 128, 16,
-                                                                  torch.bfloat16)
+    query, k_cache, v_cache, tables, context_lens, _ = make_batch(
+        11, [(n, 1) for n in lens], 8, 2, 128, 16, torch.bfloat16
+    )
     (k, v), scales, values = stored(k_cache, v_cache, kv)
     q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
     together = attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1, max(lens) if given else None, **scales)
     expected = reference_decode(query, *values, tables, context_lens, 0.1)
     torch.testing.assert_close(together.float().cpu(), expected, **TOLERANCE[torch.bfloat16])
     for i, ctx in enumerate(lens[:-1]):
-        row = t[i:i + 1, :math.ceil(ctx / 16)].contiguous()
-        alone = attention_cuda.cuda_paged_attention(q[i:i + 1], k, v, row, n[i:i + 1], 0.1, ctx if given else None,
-                                                    **scales)
-        assert torch.equal(alone, together[i:i + 1]), f"lane {i} ({ctx} tokens)"
+        row = t[i : i + 1, : math.ceil(ctx / 16)].contiguous()
+        alone = attention_cuda.cuda_paged_attention(
+            q[i : i + 1], k, v, row, n[i : i + 1], 0.1, ctx if given else None, **scales
+        )
+        assert torch.equal(alone, together[i : i + 1]), f"lane {i} ({ctx} tokens)"
 
 
 @pytest.mark.cuda
@@ -543,8 +662,9 @@ def test_kernel_strided_query_and_empty_lane():
     lens[2] = 0
     qkv = torch.randn(3, 15, 64, dtype=torch.bfloat16)
     qkv[:, :9] = query
-    out = attention_cuda.cuda_paged_attention(qkv.to(DEVICE)[:, :9], k_cache.to(DEVICE), v_cache.to(DEVICE),
-                                              tables.to(DEVICE), lens.to(DEVICE), 0.125)
+    out = attention_cuda.cuda_paged_attention(
+        qkv.to(DEVICE)[:, :9], k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE), 0.125
+    )
     expected = reference_decode(query[:2], k_cache, v_cache, tables[:2], lens[:2], 0.125)
     torch.testing.assert_close(out[:2].float().cpu(), expected, **TOLERANCE[torch.bfloat16])
     assert bool((out[2] == 0).all())
@@ -559,7 +679,7 @@ def test_kernel_store_kv_exact(dtype, kv):
     g = torch.Generator().manual_seed(4)
     k_cache, v_cache = torch.randn(2, 9, 16, 8, 128, generator=g).to(dtype)
     qkv = torch.randn(20, (32 + 16) * 128, generator=g).to(dtype)  # fused projection: rows are strided
-    key, value = qkv[:, 32 * 128:40 * 128].view(20, 8, 128), qkv[:, 40 * 128:].view(20, 8, 128)
+    key, value = qkv[:, 32 * 128 : 40 * 128].view(20, 8, 128), qkv[:, 40 * 128 :].view(20, 8, 128)
     slots = torch.randperm(9 * 16, generator=g)[:20]
     slots[::4] = -1
     scales = []
@@ -587,10 +707,14 @@ def test_kernel_argument_errors():
     cases = [
         (lambda: attention(q.double(), k, v, t, n, 1.0), "unsupported dtype"),
         (lambda: attention(q.half(), k, v, t, n, 1.0), "dtype must match"),
-        (lambda: attention(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), t, n, 1.0),
-         "head_dim must be 64 or 128"),
-        (lambda: attention(q, k[:4].reshape(1, 64, 2, 64), v[:4].reshape(1, 64, 2, 64), t, n, 1.0),
-         "block_size must be 8, 16 or 32"),
+        (
+            lambda: attention(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(), t, n, 1.0),
+            "head_dim must be 64 or 128",
+        ),
+        (
+            lambda: attention(q, k[:4].reshape(1, 64, 2, 64), v[:4].reshape(1, 64, 2, 64), t, n, 1.0),
+            "block_size must be 8, 16 or 32",
+        ),
         (lambda: attention(q[:, :3], k, v, t, n, 1.0), "multiple of num_kv_heads"),
         (lambda: attention(q, k.transpose(0, 1), v.transpose(0, 1), t, n, 1.0), "contiguous"),
         (lambda: attention(q, k, v, t.long(), n, 1.0), "block_tables must be contiguous int32"),
@@ -600,12 +724,18 @@ def test_kernel_argument_errors():
         (lambda: attention(q.cpu(), k, v, t, n, 1.0), "must be a CUDA tensor"),
         (lambda: attention(q, k, v, t, n, 1.0, -1), "max_context_len must be between 0"),
         (lambda: attention(q, k, v, t, n, 1.0, t.shape[1] * 16 + 1), "max_context_len must be between 0"),
-        (lambda: attention_cuda.cuda_store_kv(q[:, :2], q[:, :2], k, v, torch.zeros(2, dtype=torch.int32,
-                                                                                     device=q.device)),
-         "slot_mapping must be contiguous int64"),
-        (lambda: attention_cuda.cuda_store_kv(q[:, :3], q[:, :3], k, v, torch.zeros(2, dtype=torch.int64,
-                                                                                    device=q.device)),
-         "key/value must be"),
+        (
+            lambda: attention_cuda.cuda_store_kv(
+                q[:, :2], q[:, :2], k, v, torch.zeros(2, dtype=torch.int32, device=q.device)
+            ),
+            "slot_mapping must be contiguous int64",
+        ),
+        (
+            lambda: attention_cuda.cuda_store_kv(
+                q[:, :3], q[:, :3], k, v, torch.zeros(2, dtype=torch.int64, device=q.device)
+            ),
+            "key/value must be",
+        ),
     ]
     k8, v8, scales = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), torch.ones(k.shape[:3], device=q.device)
     slots = torch.zeros(2, dtype=torch.int64, device=q.device)
@@ -626,8 +756,9 @@ def test_kernel_argument_errors():
 def test_kernel_replays_in_cuda_graph():
     # Decode on GPU runs under CUDA graphs: no host sync or host-side read of the inputs may hide
     # in the call, and a replay must see the inputs' new contents.
-    query, k_cache, v_cache, tables, lens, _ = make_batch(6, [(30, 1), (900, 1), (5, 1)], 32, 8, 128, 16,
-                                                          torch.bfloat16)
+    query, k_cache, v_cache, tables, lens, _ = make_batch(
+        6, [(30, 1), (900, 1), (5, 1)], 32, 8, 128, 16, torch.bfloat16
+    )
     q, k, v, t, n = (x.to(DEVICE) for x in (query, k_cache, v_cache, tables, lens))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -656,8 +787,12 @@ def test_reference_runs_on_cuda_tensors():
     out = varlen(*(t.to(DEVICE) for t in batch), 0.125)
     torch.testing.assert_close(out.cpu(), expected, atol=2e-3, rtol=2e-3)
     decode = make_batch(9, [(1, 1), (37, 1)], 6, 2, 64, 16)[:5]
-    torch.testing.assert_close(paged_attention(*(t.to(DEVICE) for t in decode), 0.125).cpu(),
-                               paged_attention(*decode, 0.125), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(
+        paged_attention(*(t.to(DEVICE) for t in decode), 0.125).cpu(),
+        paged_attention(*decode, 0.125),
+        atol=2e-3,
+        rtol=2e-3,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The model runner's contract, on CPU with random weights: which rows are sampled, CUDA graphs on a stand-in
 capture, how often the host waits on the device, which steps the KV sizing profiles, and that random weights
 need no file at all."""
+
 import contextlib
 import dataclasses
 import os
@@ -18,7 +19,7 @@ from runner import StepBatch, kv_cache_bytes
 from sampler import _draw
 from sequence import SamplingParams, Sequence
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
 def engine(model: str, **kwargs) -> LLM:
@@ -55,9 +56,15 @@ def test_graph_replay_samples_the_right_rows(tiny):
     assert [(s, t, lp.logprob) for s, t, lp, *_ in replayed] == [(s, t, lp.logprob) for s, t, lp, *_ in eager]
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(preemption_mode="swap", num_kv_blocks=12),
-                                   dict(preemption_mode="swap", num_kv_blocks=12, kv_cache_dtype="fp8_e4m3")],
-                         ids=["decode", "swapping", "swapping-fp8"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        dict(preemption_mode="swap", num_kv_blocks=12),
+        dict(preemption_mode="swap", num_kv_blocks=12, kv_cache_dtype="fp8_e4m3"),
+    ],
+    ids=["decode", "swapping", "swapping-fp8"],
+)
 def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
     # DecodeGraphs itself on CPU: its ladder of sizes, static buffers and padding rows. A stand-in graph keeps
     # the model call it captured and reruns it on the same static tensors at replay, writing into the
@@ -76,8 +83,13 @@ def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
         yield
         capturing.pop()
 
-    for name, value in [("CUDAGraph", Graph), ("graph", capture), ("graph_pool_handle", lambda: None),
-                        ("synchronize", lambda device=None: None), ("Stream", lambda device: ("stream", device))]:
+    for name, value in [
+        ("CUDAGraph", Graph),
+        ("graph", capture),
+        ("graph_pool_handle", lambda: None),
+        ("synchronize", lambda device=None: None),
+        ("Stream", lambda device: ("stream", device)),
+    ]:
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(cpu, "optimize", lambda *args: None)
     replayed = []  # batch sizes
@@ -89,6 +101,7 @@ def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
         assert graphs.meta.slot_mapping[n:size].eq(-1).all() and graphs.meta.context_lens[n:size].eq(0).all()
         replayed.append(n)
         return logits
+
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", checked_run)
 
     def generate(graphs: bool) -> list[list[int]]:
@@ -101,14 +114,19 @@ def test_decode_graphs_replay_as_eager(tiny, monkeypatch, knobs):
                 if capturing:
                     capturing[-1].call, capturing[-1].logits = (lambda: forward(*args)), logits
                 return logits
+
             llm.runner.model.forward = recording
-            llm.runner.graphs = cuda_graphs.DecodeGraphs(llm.runner)
+            r = llm.runner
+            args = (r.kv_cache.layers, r.device, r.config.max_num_seqs, r.max_model_len, r.config.block_size)
+            llm.runner.graphs = cuda_graphs.DecodeGraphs(r.model, *args)
             assert llm.runner.graphs.sizes == [1, 2, 4, 5]
             # Every capture on one stream of the runner's own device (torch's default one may be another's).
             assert streams == [("stream", llm.runner.device)] * 4
         prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + 11 * i)] for i in range(9)]  # 3 to 91 tokens
-        return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
-                                                                           ignore_eos=True))]
+        return [
+            o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        ]
+
     assert generate(graphs=True) == generate(graphs=False)
     assert {1, 2, 4, 5} <= set(replayed)  # every graph
     assert 3 in replayed or knobs  # and, plain decoding, a step with a padding row
@@ -122,8 +140,12 @@ def test_one_host_sync_per_step(tiny, monkeypatch):
     llm.runner.model.attention = lambda q, *args, **kwargs: q.clone()
     llm.runner.model.store_kv = lambda *args: None
     monkeypatch.setattr(sampler, "TOP_P_HEAD", 10**9)  # on CPU top_p reads the head's mass back; CUDA sorts all
-    modes = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),
-             dict(temperature=0, logprobs=3), dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5)]
+    modes = [
+        dict(temperature=0),
+        dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),
+        dict(temperature=0, logprobs=3),
+        dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5),
+    ]
     for i, mode in enumerate(modes * 2):
         llm.add_request(list(range(5, 5 + 10 * (i + 1))), SamplingParams(max_tokens=6, ignore_eos=True, **mode))
     reads = []
@@ -161,10 +183,21 @@ def test_8_bit_kv_cache_holds_about_twice_bfloat16s_tokens(smollm2_shapes):
     # SmolLM2's shapes, 2 layers of 3 KV heads of 64: a token's K or V per layer and KV head takes 256 bytes in
     # float32, 128 in bfloat16, and in 8 bits 64 bytes of codes and a 4-byte float32 scale. 16 MiB of pool:
     memory, blocks = 2**30 / 64, {}
-    for dtype, kv, per_head in [("float32", "auto", 256), ("bfloat16", "auto", 128), ("bfloat16", "int8", 68),
-                                ("bfloat16", "fp8_e4m3", 68), ("float32", "fp8_e5m2", 68)]:
-        r = LLM(model=smollm2_shapes, dummy_weights=True, device="cpu", dtype=dtype, kv_cache_dtype=kv,
-                kv_cache_memory=1 / 64).runner
+    for dtype, kv, per_head in [
+        ("float32", "auto", 256),
+        ("bfloat16", "auto", 128),
+        ("bfloat16", "int8", 68),
+        ("bfloat16", "fp8_e4m3", 68),
+        ("float32", "fp8_e5m2", 68),
+    ]:
+        r = LLM(
+            model=smollm2_shapes,
+            dummy_weights=True,
+            device="cpu",
+            dtype=dtype,
+            kv_cache_dtype=kv,
+            kv_cache_memory=1 / 64,
+        ).runner
         per_block = 2 * 2 * 16 * 3 * per_head
         held = sum(t.nbytes for layer in r.kv_cache.layers for t in layer)
         assert held == r.num_kv_blocks * per_block and memory - per_block < held <= memory, (dtype, kv)
@@ -204,21 +237,24 @@ def test_random_weights_need_no_files(tmp_path):
         print(llm.tokenizer.decode(llm.tokenizer.encode("h\\u00e9llo <|im_end|>")))
     """
     env = {**os.environ, "LANESERVE_CACHE": str(tmp_path), "HF_HOME": str(tmp_path), "LANESERVE_MODELS": str(tmp_path)}
-    run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "h\u00e9llo <|im_end|>"
 
 
-@pytest.mark.parametrize("probs, knobs, expected", [
-    ([0.5, 0.3, 0.15, 0.05, 0], {}, [0.5, 0.3, 0.15, 0.05, 0]),
-    ([0.5, 0.3, 0.15, 0.05, 0], {"top_k": 2}, [0.625, 0.375, 0, 0, 0]),
-    ([0.5, 0.3, 0.15, 0.05, 0], {"top_p": 0.85}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
-    ([0.5, 0.3, 0.15, 0.05, 0], {"min_p": 0.2}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
-    # As in vLLM: top_p measures the mass min_p leaves (0.5 / 0.95 + 0.3 / 0.95 > 0.82: the third goes) ...
-    ([0.5, 0.3, 0.15, 0.05, 0], {"min_p": 0.2, "top_p": 0.82}, [0.625, 0.375, 0, 0, 0]),
-    # ... and top_k keeps every token tied with the k-th.
-    ([0.4, 0.2, 0.2, 0.1, 0.1], {"top_k": 2}, [0.5, 0.25, 0.25, 0, 0]),
-])
+@pytest.mark.parametrize(
+    "probs, knobs, expected",
+    [
+        ([0.5, 0.3, 0.15, 0.05, 0], {}, [0.5, 0.3, 0.15, 0.05, 0]),
+        ([0.5, 0.3, 0.15, 0.05, 0], {"top_k": 2}, [0.625, 0.375, 0, 0, 0]),
+        ([0.5, 0.3, 0.15, 0.05, 0], {"top_p": 0.85}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
+        ([0.5, 0.3, 0.15, 0.05, 0], {"min_p": 0.2}, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0, 0]),
+        # As in vLLM: top_p measures the mass min_p leaves (0.5 / 0.95 + 0.3 / 0.95 > 0.82: the third goes) ...
+        ([0.5, 0.3, 0.15, 0.05, 0], {"min_p": 0.2, "top_p": 0.82}, [0.625, 0.375, 0, 0, 0]),
+        # ... and top_k keeps every token tied with the k-th.
+        ([0.4, 0.2, 0.2, 0.1, 0.1], {"top_k": 2}, [0.5, 0.25, 0.25, 0, 0]),
+    ],
+)
 def test_draws_follow_the_distribution(probs, knobs, expected):
     """10,000 draws: each token's frequency within 0.02 of its probability (4 standard deviations of the
     worst case), and a token of probability 0 never drawn."""
@@ -279,7 +315,12 @@ def test_freed_memory_stays_in_a_fragmented_thread_heap():
     # The server steps on a thread of its own. Once that thread's heap is fragmented (8 minutes of mixed
     # load), a tensor that fits no hole must not map a fresh heap that its free unmaps again: every page
     # faulted in anew, each step (decode 30% slower).
-    run = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-c", FRAGMENTED_HEAP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert run.returncode == 0, run.stderr
     assert float(run.stdout) < 1, f"{run.stdout.strip()} page faults per 1 MiB tensor"

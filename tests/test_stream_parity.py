@@ -10,6 +10,7 @@ tiny random-weights model (gibberish bytes, odd UTF-8 splits, logit_bias towards
 ChatML's specials) and on SmolLM2.
 
 PARITY_HUNT=K runs K times the examples, with random seeds (a longer hunt, not for CI)."""
+
 import http.client
 import json
 import os
@@ -19,8 +20,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import note as _note
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from config import EngineConfig
 from conftest import serving, serving_tiny
@@ -29,8 +30,14 @@ HUNT = int(os.environ.get("PARITY_HUNT", "0"))
 
 
 def examples(n: int):
-    return settings(max_examples=n * HUNT if HUNT else n, deadline=None, derandomize=not HUNT, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=True)
+    return settings(
+        max_examples=n * HUNT if HUNT else n,
+        deadline=None,
+        derandomize=not HUNT,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +60,23 @@ def tiny_server(one_thread):
 def tight_server(one_thread):
     """tiny_server with a pool of 12 blocks (192 tokens) and 32 tokens a step: n sequences of a request, or two
     requests at once, preempt each other (recomputed) and have their prompts cut into chunks."""
-    with serving_tiny(False, num_kv_blocks=12, enable_prefix_caching=True, max_model_len=192,
-                      max_num_batched_tokens=32, max_num_seqs=16) as s:
+    with serving_tiny(
+        False,
+        num_kv_blocks=12,
+        enable_prefix_caching=True,
+        max_model_len=192,
+        max_num_batched_tokens=32,
+        max_num_seqs=16,
+    ) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def smol_server(one_thread):
     """SmolLM2-135M (the default checkpoint), float32, as test_serve.py's server."""
-    with serving(EngineConfig(num_kv_blocks=512, max_num_seqs=16, device="cpu", dtype="float32"),
-                 log_requests=False) as s:
+    with serving(
+        EngineConfig(num_kv_blocks=512, max_num_seqs=16, device="cpu", dtype="float32"), log_requests=False
+    ) as s:
         yield s
 
 
@@ -93,7 +107,7 @@ def streamed(server, path: str, body: dict) -> list[dict]:
     events = raw.decode().split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
     assert all(e.startswith("data: ") for e in events[:-1]), events
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
     assert not any("error" in c for c in chunks), chunks
     return chunks
 
@@ -127,8 +141,14 @@ def assemble(chunks: list[dict], chat: bool, usage_chunk: bool) -> tuple[dict[in
         else:
             text = "".join(p["text"] for p in pieces)
             lps = [p["logprobs"] for p in pieces if p["logprobs"] is not None]
-            logprobs = {k: [x for lp in lps for x in lp[k]] for k in
-                        ("tokens", "token_logprobs", "top_logprobs", "text_offset")} if lps else None
+            logprobs = (
+                {
+                    k: [x for lp in lps for x in lp[k]]
+                    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                }
+                if lps
+                else None
+            )
         out[i] = {"text": text, "finish_reason": reasons[-1], "logprobs": logprobs}
     return out, usage
 
@@ -150,8 +170,14 @@ def check_parity(server, chat: bool, body: dict, order: str = "plain first") -> 
         reply = whole(server, path, plain)
         chunks = streamed(server, path, body)
     got, usage = assemble(chunks, chat, usage_chunk)
-    want = {c["index"]: {"text": c["message"]["content"] if chat else c["text"],
-                         "finish_reason": c["finish_reason"], "logprobs": c["logprobs"]} for c in reply["choices"]}
+    want = {
+        c["index"]: {
+            "text": c["message"]["content"] if chat else c["text"],
+            "finish_reason": c["finish_reason"],
+            "logprobs": c["logprobs"],
+        }
+        for c in reply["choices"]
+    }
     assert sorted(want) == list(range(len(want)))
     note(f"request: {json.dumps(body, ensure_ascii=False)}")
     for i in want:
@@ -159,8 +185,9 @@ def check_parity(server, chat: bool, body: dict, order: str = "plain first") -> 
     assert sorted(got) == sorted(want)
     if usage_chunk:
         if server.config.num_kv_blocks < 256:  # evicted from the prefix cache or not: a matter of timing
-            usage, reply_usage = ({k: v for k, v in u.items() if k != "prompt_tokens_details"}
-                                  for u in (usage, reply["usage"]))
+            usage, reply_usage = (
+                {k: v for k, v in u.items() if k != "prompt_tokens_details"} for u in (usage, reply["usage"])
+            )
             assert usage == reply_usage
         else:  # the stop-less reply before them cached the same prompt blocks for both
             assert usage == reply["usage"]
@@ -169,10 +196,36 @@ def check_parity(server, chat: bool, body: dict, order: str = "plain first") -> 
 
 # Prompts: pieces that tokenize in odd ways (emoji sequences, combining marks, CJK, a special token's text,
 # text that holds the stop strings used below), or any text.
-PIECES = ["a", "b", " ", "\n", "\n\n", ".", ",", " the", " Paris", "é", "e\u0301", "€", "😀", "👍🏽", "👨‍👩‍👧",
-          "🇫🇷", "中文", "ß", "\t", "<|im_end|>", "<|im_start|>", "Hello", " world", "1, 2, 3,", "\ufffd"]
-prompts = st.one_of(st.lists(st.sampled_from(PIECES), min_size=1, max_size=10).map("".join),
-                    st.text(min_size=1, max_size=16))
+PIECES = [
+    "a",
+    "b",
+    " ",
+    "\n",
+    "\n\n",
+    ".",
+    ",",
+    " the",
+    " Paris",
+    "é",
+    "e\u0301",
+    "€",
+    "😀",
+    "👍🏽",
+    "👨‍👩‍👧",
+    "🇫🇷",
+    "中文",
+    "ß",
+    "\t",
+    "<|im_end|>",
+    "<|im_start|>",
+    "Hello",
+    " world",
+    "1, 2, 3,",
+    "\ufffd",
+]
+prompts = st.one_of(
+    st.lists(st.sampled_from(PIECES), min_size=1, max_size=10).map("".join), st.text(min_size=1, max_size=16)
+)
 FRAGMENTS = [".", "\n", ",", " the", "Paris", "\n\n", " ", "e", "😀", "\ufffd", "é", "1, 2", "The", "<|im_end|>"]
 # Token ids on the tiny model: bytes of UTF-8 characters (é: C3 A9, €: E2 82 AC, 😀: F0 9F 98 80), a
 # continuation byte alone, an invalid byte; <|endoftext|> (EOS), <|im_start|> (a control token: no text
@@ -190,13 +243,16 @@ def tiny_bias(draw) -> dict:
         return {}
     if kind == "utf8":
         return {str(t): 5.0 for t in draw(st.sampled_from(UTF8_GROUPS))}
-    return {str(t): draw(st.sampled_from([0.05, 0.1, 0.2, 0.4]))
-            for t in draw(st.lists(st.sampled_from(TINY_IDS), min_size=1, max_size=5, unique=True))}
+    return {
+        str(t): draw(st.sampled_from([0.05, 0.1, 0.2, 0.4]))
+        for t in draw(st.lists(st.sampled_from(TINY_IDS), min_size=1, max_size=5, unique=True))
+    }
 
 
 # Up to 80 bytes (on the tiny model, 80 tokens), repeated to fill a tight server's pool.
 long_prompts = st.tuples(prompts, st.integers(1, 20)).map(
-    lambda t: (t[0] * t[1]).encode()[:80].decode(errors="ignore") or "x")
+    lambda t: (t[0] * t[1]).encode()[:80].decode(errors="ignore") or "x"
+)
 
 
 @st.composite
@@ -210,8 +266,14 @@ def requests(draw, chat: bool, tiny: bool, tight: bool = False) -> dict:
             messages.insert(0, {"role": "system", "content": draw(texts)})
         body["messages"] = messages
     else:
-        body["prompt"] = draw(st.one_of(texts, texts, st.lists(texts, min_size=2, max_size=2),
-                                        st.lists(st.integers(0, 258 if tiny else 49151), min_size=1, max_size=6)))
+        body["prompt"] = draw(
+            st.one_of(
+                texts,
+                texts,
+                st.lists(texts, min_size=2, max_size=2),
+                st.lists(st.integers(0, 258 if tiny else 49151), min_size=1, max_size=6),
+            )
+        )
     if draw(st.booleans()):
         body["temperature"] = 0
     else:
@@ -251,7 +313,8 @@ def stops_from(draw, texts: list[str]) -> list[str]:
     def piece() -> str:
         t = draw(st.sampled_from(texts))
         a = draw(st.integers(0, len(t) - 1))
-        return t[a:a + draw(st.integers(1, 12))]
+        return t[a : a + draw(st.integers(1, 12))]
+
     kinds = ["fragment", "random", "long"] + (["piece", "piece", "prefix", "almost"] if texts else [])
     stops: list[str] = []
     for kind in draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=4)):
@@ -265,7 +328,7 @@ def stops_from(draw, texts: list[str]) -> list[str]:
             stops.append(piece())
         elif kind == "prefix":
             s = piece()
-            stops += [s, s[:draw(st.integers(1, len(s)))]]
+            stops += [s, s[: draw(st.integers(1, len(s)))]]
         else:  # the reply's own text, then a character it never has: held back until the end
             stops.append(piece() + draw(st.sampled_from(["\x00", "\u2603", "zq"])))
     return stops[:4]
@@ -289,8 +352,9 @@ def run_case(server, chat: bool, body: dict, data) -> None:
         body = {**body, "stop": stops[0]}
     else:
         body = {**body, "stop": stops}
-    reply = check_parity(server, chat, body, data.draw(st.sampled_from(["plain first", "stream first", "together"]),
-                                                       label="order"))
+    reply = check_parity(
+        server, chat, body, data.draw(st.sampled_from(["plain first", "stream first", "together"]), label="order")
+    )
     tok, n = server.engine.tokenizer, body["n"]
     prompt = body.get("prompt")
     prompts_ = prompt if isinstance(prompt, list) and not all(type(t) is int for t in prompt) else [prompt]
@@ -299,7 +363,7 @@ def run_case(server, chat: bool, body: dict, data) -> None:
             p = prompts_[i // n]
             echoed = tok.decode(p) if isinstance(p, list) else p
             assert text.startswith(echoed), (text, echoed)
-            text = text[len(echoed):]
+            text = text[len(echoed) :]
         assert ref.startswith(text), (i, text, ref, stops)
         if not body.get("min_tokens"):  # before min_tokens, stop strings are let out (as in vLLM)
             assert not any(s in text for s in stops), (i, text, stops)
@@ -309,10 +373,12 @@ def run_case(server, chat: bool, body: dict, data) -> None:
 
 def parity_test(server: str, chat: bool, n: int, **kinds):
     """A test of run_case on the fixture named server, n examples of requests(chat, **kinds)."""
+
     @examples(n)
     @given(data=st.data())
     def test(request, data):
         run_case(request.getfixturevalue(server), chat, data.draw(requests(chat, **kinds), label="request"), data)
+
     return test
 
 
@@ -327,8 +393,14 @@ test_chat_smollm2 = parity_test("smol_server", True, 2, tiny=False)
 def test_a_stop_string_completed_by_the_last_character_ends_the_reply(tiny_server):
     """A reply that ends inside a UTF-8 character ends with U+FFFD; a stop string that this completes is
     not let out, and the reply stops there. logit_bias makes the one token the byte C3 (é's first)."""
-    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "temperature": 0, "logit_bias": {"195": 5},
-            "stop": ["\ufffd"]}
+    body = {
+        "model": "tiny",
+        "prompt": "Hi",
+        "max_tokens": 1,
+        "temperature": 0,
+        "logit_bias": {"195": 5},
+        "stop": ["\ufffd"],
+    }
     reply = check_parity(tiny_server, False, body)
     assert (reply["choices"][0]["text"], reply["choices"][0]["finish_reason"]) == ("", "stop")
 
@@ -337,8 +409,17 @@ def test_parity_through_preemption_and_chunked_prompts(tight_server):
     """The tight server's n=3 of 72-token prompts and 40 tokens each do not fit its pool at once: sequences are
     preempted and recomputed, their prompts cut into 32-token chunks, the two requests sharing steps."""
     before = tight_server.stats["num_preemptions"]
-    body = {"model": "tiny", "prompt": "é😀 Paris, the\n" * 4, "n": 3, "max_tokens": 40, "temperature": 0.7,
-            "seed": 7, "ignore_eos": True, "logprobs": 2, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": "é😀 Paris, the\n" * 4,
+        "n": 3,
+        "max_tokens": 40,
+        "temperature": 0.7,
+        "seed": 7,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "stream_options": {"include_usage": True},
+    }
     reply = check_parity(tight_server, False, body, "together")
     assert reply["usage"]["completion_tokens"] == 120
     assert tight_server.stats["num_preemptions"] > before

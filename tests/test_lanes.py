@@ -4,6 +4,7 @@ preempted on the way (recomputed or swapped), with the KV cache in the model's d
 random weights in SmolLM2's shapes (so the matmul and attention kernels are the real model's), 2 layers
 and a vocabulary of 8192: the rule is about how each sequence's arithmetic is arranged, not about the
 weights' values, and logprobs compared bit for bit show any difference at once."""
+
 import random
 from collections import defaultdict
 
@@ -17,24 +18,56 @@ from model import ModelConfig
 
 pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m "not slow"`
 
-MODES = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-         "int4": dict(dtype="bfloat16", quantization="int4")}
+MODES = {
+    "float32": dict(dtype="float32"),
+    "bfloat16": dict(dtype="bfloat16"),
+    "int4": dict(dtype="bfloat16", quantization="int4"),
+}
 # (mode, --kv-cache-dtype): each 8-bit KV type in bfloat16, where the scores round most
-KV_MODES = [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"), ("bfloat16", "fp8_e4m3"),
-            ("bfloat16", "fp8_e5m2")]
+KV_MODES = [
+    ("float32", "auto"),
+    ("bfloat16", "auto"),
+    ("bfloat16", "int8"),
+    ("bfloat16", "fp8_e4m3"),
+    ("bfloat16", "fp8_e5m2"),
+]
 
 
 # Qwen3's and Gemma 3's arithmetic in small shapes: q/k norms; Gemma's norms after attention and MLP, GeGLU, and
 # two local layers to a global one over a window of 32 keys, which the 400-token prompts and the 40-260-token
 # shared prefixes slide past.
 FAMILIES = {
-    "qwen3-shapes": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-                                rope_theta=1e6, tie_word_embeddings=True, qk_norm=True),
-    "gemma3-shapes": ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                                 num_attention_heads=4, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
-                                 rope_theta=1e6, tie_word_embeddings=True, qk_norm=True, gemma=True,
-                                 query_pre_attn_scalar=64, sliding_window=32, sliding_window_pattern=3)}
+    "qwen3-shapes": ModelConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    ),
+    "gemma3-shapes": ModelConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        gemma=True,
+        query_pre_attn_scalar=64,
+        sliding_window=32,
+        sliding_window_pattern=3,
+    ),
+}
 # Each family in float32, and in bfloat16 with an 8-bit cache (SmolLM2's shapes take every mode).
 FAMILY_MODES = [(family, mode, kv) for family in FAMILIES for mode, kv in (("float32", "auto"), ("bfloat16", "int8"))]
 
@@ -82,12 +115,12 @@ def test_64_lanes_sampling_together(families, model, mode, kv_cache_dtype):
     rng = random.Random(64)
     requests = [(random_prompt(rng, rng.randint(3, 60)), greedy(rng.randint(10, 16))) for _ in range(62)]
     requests += [(random_prompt(rng, 400), greedy(rng.randint(2, 6))) for _ in range(2)]
-    llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True,
-                 kv_cache_dtype=kv_cache_dtype)
+    llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True, kv_cache_dtype=kv_cache_dtype)
     assert len(llm.runner.kv_cache.layers[0]) == (2 if kv_cache_dtype == "auto" else 4)  # codes and scales
     together = run(llm, requests)
-    assert any(sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step)
-               for step in llm.trace)
+    assert any(
+        sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step) for step in llm.trace
+    )
     llm.trace.clear()
     assert together == alone(llm, requests)
 
@@ -97,12 +130,17 @@ def shared_prefixes(smollm2_shapes) -> list[tuple[list[int], SamplingParams]]:
     """16 requests: system prompts of 40, 100 and 260 tokens shared by 4 requests each, and 4 without."""
     rng = random.Random(16)
     systems = [random_prompt(rng, n) for n in (40, 100, 260)]
-    return [(system + random_prompt(rng, rng.randint(5, 50)), greedy(rng.randint(4, 12)))
-            for system in systems + [[]] for _ in range(4)]
+    return [
+        (system + random_prompt(rng, rng.randint(5, 50)), greedy(rng.randint(4, 12)))
+        for system in systems + [[]]
+        for _ in range(4)
+    ]
 
 
-@pytest.mark.parametrize("model, mode, kv_cache_dtype", [("smollm2-shapes", *m) for m in
-                                                         KV_MODES + [("int4", "auto"), ("int4", "int8")]] + FAMILY_MODES)
+@pytest.mark.parametrize(
+    "model, mode, kv_cache_dtype",
+    [("smollm2-shapes", *m) for m in KV_MODES + [("int4", "auto"), ("int4", "int8")]] + FAMILY_MODES,
+)
 def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixes, model, mode, kv_cache_dtype):
     requests, kv = shared_prefixes, dict(kv_cache_dtype=kv_cache_dtype)
     expected = alone(engine(model, mode, max_num_batched_tokens=512, **kv), requests)
@@ -111,8 +149,9 @@ def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixe
         assert run(llm, requests) == expected, budget
         assert llm.scheduler.prefix_hits > 0
     for preemption in ("recompute", "swap"):  # 24 blocks of 16 tokens: a few sequences at a time
-        llm = engine(model, mode, num_kv_blocks=24, max_num_batched_tokens=64,
-                     preemption_mode=preemption, swap_space=0.05, **kv)
+        llm = engine(
+            model, mode, num_kv_blocks=24, max_num_batched_tokens=64, preemption_mode=preemption, swap_space=0.05, **kv
+        )
         assert run(llm, requests) == expected, preemption
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
@@ -135,8 +174,9 @@ def test_lanes_in_an_engine_of_few_sequences(smollm2_shapes, shared_prefixes, mo
         assert run(llm, shared_prefixes) == alone(llm, shared_prefixes)
     else:
         assert {m.isa for m in kernels} == {cpu_matmul.isa()} and len(kernels) == 2 * 4 + 1  # 2 layers of 4, LM head
-        assert run(llm, shared_prefixes) == alone(engine(smollm2_shapes, mode, max_num_batched_tokens=512),
-                                                  shared_prefixes)
+        assert run(llm, shared_prefixes) == alone(
+            engine(smollm2_shapes, mode, max_num_batched_tokens=512), shared_prefixes
+        )
 
 
 @pytest.mark.parametrize("mode", ["float32", "bfloat16"])
@@ -149,9 +189,13 @@ def test_lanes_with_speculation_equal_lanes_alone_without(smollm2_shapes, shared
     assert run(llm, requests) == alone(engine(smollm2_shapes, mode), requests)
     assert llm.num_accepted_tokens > 0
     expected = alone(engine(smollm2_shapes, mode), shared_prefixes)
-    for knobs in (dict(enable_prefix_caching=True, max_num_batched_tokens=32),
-                  *(dict(num_kv_blocks=24, max_num_batched_tokens=64, preemption_mode=p, swap_space=0.05)
-                    for p in ("recompute", "swap"))):
+    for knobs in (
+        dict(enable_prefix_caching=True, max_num_batched_tokens=32),
+        *(
+            dict(num_kv_blocks=24, max_num_batched_tokens=64, preemption_mode=p, swap_space=0.05)
+            for p in ("recompute", "swap")
+        ),
+    ):
         llm = engine(smollm2_shapes, mode, num_speculative_tokens=4, **knobs)
         assert run(llm, shared_prefixes) == expected, knobs
         assert llm.num_accepted_tokens > 0, knobs
