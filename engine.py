@@ -15,10 +15,10 @@ from config import EngineConfig
 from kv_cache import BlockManager
 from parallel import WorkerFailure
 from runner import ModelRunner
-from sampler import TokenLogprob
+from sampler import Sampled, TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status, require
-from speculation import verify
+from speculation import settle
 from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer, read_chat_template
 
 
@@ -79,6 +79,7 @@ class Engine:
         self.rng = random.Random(c.seed)
         self.trace: list[list[SeqStep]] = []
         self.on_step = None  # called after each step with (engine, SchedulerOutput, outputs, seconds): events.py
+        self.verified: dict[str, tuple[int, int]] = {}  # this step's drafts: request id -> (drafted, accepted)
         self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
         # Prompt tokens run through the model (cache hits excluded), generated tokens, and speculation's draft tokens
         # proposed and accepted.
@@ -145,9 +146,7 @@ class Engine:
             ]
         )
         seq = Sequence(request_id, ids, params)
-        seq.generator = torch.Generator(self.device).manual_seed(
-            params.seed if params.seed is not None else self.rng.getrandbits(63)
-        )
+        seq.seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         eos = set() if params.ignore_eos else self.tokenizer.stop_token_ids
         seq.stop_ids = frozenset(params.stop_token_ids) | eos
@@ -192,14 +191,8 @@ class Engine:
             self.num_prompt_tokens += max(0, prompt_end - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)
             seq.num_computed_tokens += n - len(seq.draft)  # a draft's K/V counts once verified
-        outputs = [
-            out
-            for seq, token, logprob, error, drafts in sampled
-            for out in [  # then its drafts, verified
-                self._append_token(seq, token, logprob) if error is None else self._fail(seq, error),
-                *verify(self, seq, token, drafts),
-            ]
-        ]
+        self.verified = {}
+        outputs = [o for r in sampled for o in self._emit(r)]
         if self.on_step:
             self.on_step(self, out, outputs, time.perf_counter() - began)
         if self.config.trace:
@@ -219,6 +212,23 @@ class Engine:
             if not self.scheduler.running:
                 outputs, self.held = outputs + self.held, []
         return ended + outputs
+
+    def _emit(self, r: Sampled) -> list[RequestOutput]:
+        """A sampled sequence's tokens: its next, then each draft row's while the token before agreed with that draft
+        (whose K/V then counts as computed), until it finishes."""
+        seq, draft, outputs = r.seq, r.seq.draft, []
+        for j, token in enumerate(r.token_ids):
+            if j and (seq.status is Status.FINISHED or r.token_ids[j - 1] != draft[j - 1]):
+                break
+            seq.num_computed_tokens += j > 0
+            error = r.errors[j]
+            outputs.append(self._fail(seq, error) if error else self._append_token(seq, token, r.logprobs[j]))
+        if draft:
+            record = settle(seq, len(outputs) - 1, self.block_manager, self.config.block_size)
+            self.verified[seq.request_id] = record
+            self.num_draft_tokens += record[0]
+            self.num_accepted_tokens += record[1]
+        return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.token_ids.append(token)

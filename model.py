@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention_cuda
+import attention_cuda.kernel
 
 
 @dataclass
@@ -30,7 +31,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm per head on Q and K, before RoPE
     # Gemma 3: embeddings scaled by sqrt(hidden_size), a norm after attention and after the MLP as well as before,
-    # GeGLU (tanh GELU), norms computed with 1 + w (load_hf_state_dict adds the 1 to the weights).
+    # GeGLU (tanh GELU), norms computed with 1 + w (weights.load_state_dict adds the 1 to the weights).
     gemma: bool = False
     query_pre_attn_scalar: float | None = None  # attention scale 1 / sqrt(this); None: head_dim
     # Local layers attend to the last sliding_window keys (their own included) and rotate by rope_local_theta;
@@ -198,8 +199,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # Paged attention: our kernel on CUDA, else the pure-PyTorch reference (cpu.py swaps in its own).
         cuda = torch.device(device).type == "cuda"
-        self.store_kv = attention_cuda.cuda_store_kv if cuda else attention_cuda.store_kv
-        self.decode = attention_cuda.cuda_paged_attention if cuda else attention_cuda.paged_attention
+        self.store_kv = attention_cuda.kernel.cuda_store_kv if cuda else attention_cuda.store_kv
+        self.decode = attention_cuda.kernel.cuda_paged_attention if cuda else attention_cuda.paged_attention
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
 
     def attention(
@@ -244,44 +245,6 @@ class Transformer(nn.Module):
         )
 
     @torch.no_grad()
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Take weights in Hugging Face Llama naming (what weights.py yields), fusing QKV and
-        gate/up, onto the rope tables' device; Gemma's norms as 1 + w, added in float32. Consumes sd to keep peak
-        memory at one copy."""
-
-        def put(module: nn.Module, *names: str) -> None:
-            t = torch.cat([sd.pop(n) for n in names]) if len(names) > 1 else sd.pop(names[0])
-            if self.config.gemma and isinstance(module, nn.RMSNorm):
-                t = (t.float() + 1).to(t.dtype)
-            module.weight = nn.Parameter(t.to(self.rope_cos.device), requires_grad=False)
-
-        put(self.embed, "model.embed_tokens.weight")
-        put(self.norm, "model.norm.weight")
-        if self.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-            self.lm_head.weight = self.embed.weight
-        else:
-            put(self.lm_head, "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            put(layer.qkv, *(p + f"self_attn.{w}_proj.weight" for w in "qkv"))
-            put(layer.o, p + "self_attn.o_proj.weight")
-            put(layer.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            put(layer.down, p + "mlp.down_proj.weight")
-            put(layer.attn_norm, p + "input_layernorm.weight")
-            if self.config.qk_norm:
-                put(layer.q_norm, p + "self_attn.q_norm.weight")
-                put(layer.k_norm, p + "self_attn.k_norm.weight")
-            if self.config.gemma:  # Gemma's post_attention_layernorm follows attention, pre_feedforward the MLP
-                put(layer.attn_post_norm, p + "post_attention_layernorm.weight")
-                put(layer.mlp_post_norm, p + "post_feedforward_layernorm.weight")
-            put(
-                layer.mlp_norm,
-                p + ("pre_feedforward_layernorm.weight" if self.config.gemma else "post_attention_layernorm.weight"),
-            )
-        if sd:
-            raise ValueError(f"unexpected weights in checkpoint: {sorted(sd)[:5]}")
-
     @torch.no_grad()
     def forward(
         self,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -18,7 +17,7 @@ from config import EngineConfig
 from cuda_graphs import DecodeGraphs
 from kv_cache import KV_CACHE_DTYPES, KVCache, KVShape, slots
 from model import BatchMeta, ModelConfig, Transformer
-from sampler import TokenLogprob, sample, to_device
+from sampler import Sampled, sample, to_device
 from sequence import SamplingParams, Sequence, require
 
 
@@ -41,7 +40,7 @@ class StepBatch:
         """The batch, and the sequences sampled this step (those whose piece reaches their last token)."""
         scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
         input_ids, positions, slot_mapping, block_tables, context_lens = [], [], [], [], []
-        sample_rows, draft_rows, sampled = [], [], []
+        sample_rows, sampled = [], []
         for seq, n in scheduled:
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[begin:end] + seq.draft
@@ -49,9 +48,8 @@ class StepBatch:
             slot_mapping += slots(seq.block_table, block_size, begin, end)
             block_tables.append(seq.block_table)
             context_lens.append(end)
-            if end == seq.num_tokens + len(seq.draft):  # the drafts' rows after every sequence's first
-                sample_rows.append(len(input_ids) - 1 - len(seq.draft))
-                draft_rows += range(len(input_ids) - len(seq.draft), len(input_ids))
+            if end == seq.num_tokens + len(seq.draft):  # its last token's row, then its drafts'
+                sample_rows += range(len(input_ids) - 1 - len(seq.draft), len(input_ids))
                 sampled.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
@@ -61,7 +59,7 @@ class StepBatch:
             slot_mapping,
             tables,
             context_lens,
-            sample_rows + draft_rows,
+            sample_rows,
             [n for _, n in scheduled],
             [seq.num_prompt_tokens for seq, _ in scheduled],
         ), sampled
@@ -165,7 +163,7 @@ class ModelRunner:
             ]
         )
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
-        self.model.load_hf_state_dict(state)
+        weights.load_state_dict(self.model, state)
         if self.device.type == "cpu":
             cpu.optimize(self.model, c.quantization, c.max_num_seqs)
 
@@ -246,9 +244,9 @@ class ModelRunner:
         scheduled: list[tuple[Sequence, int]],
         swap_out: list[tuple[int, int]] = (),
         swap_in: list[tuple[int, int]] = (),
-    ) -> list[tuple[Sequence, int, TokenLogprob | None, str | None, Any]]:
+    ) -> list[Sampled]:
         """One step: build the batch, broadcast it to the other ranks, forward it, sample: each sampled sequence's
-        next token or why sampling failed, and its drafts' logits. Failing is fatal under tensor parallelism
+        next token, and the token after each of its drafts. Failing is fatal under tensor parallelism
         (WorkerFailure)."""
         batch, sampled = StepBatch.build(scheduled, self.config.block_size) if scheduled else (None, [])
         try:
@@ -259,8 +257,7 @@ class ModelRunner:
             if self.tp:
                 raise self.tp.fail(e) from e
             raise
-        n, drafts = len(sampled), [len(s.draft) for s in sampled]  # the drafts' rows come after every sequence's first
-        return list(zip(sampled, *sample(logits[:n], sampled), logits[n:].split(drafts))) if batch else []
+        return sample(logits, sampled) if batch else []
 
     def forward(
         self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], batch: StepBatch | None

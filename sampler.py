@@ -1,4 +1,6 @@
-"""The sampler: the sampled rows' logits in, each sequence's next token (and logprobs) out, every row on its own."""
+"""The sampler: the sampled rows' logits in, each sequence's next tokens (and logprobs) out. Every step is a batched
+tensor op over all rows, the same code on CPU and GPU, and each row is computed on its own: per-row parameters,
+reductions within a row only, and random numbers from the row's own (seed, output position)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sequence import SamplingParams, Sequence
+from sequence import Sequence
 
-TOP_P_HEAD = 1024  # on CPU, the likeliest tokens _draw sorts first for top-p
+HEAD = 64  # a row's likeliest tokens, where top-k, min-p and top-p look first: a fixed count, so a fixed shape
+TOP_LOGPROBS = 20  # top logprobs come from one topk of this size for every row (SamplingParams' most), then cut
 
 
 @dataclass
@@ -19,110 +22,150 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None], list[str | None]]:
-    """Next token per sequence: plain greedy rows by one batched max (the first maximal index, as argmax;
-    widening bfloat16 first would be exact, so it changes no order); the rest each on its own row in float32,
-    drawn from its own generator so that a seeded request draws the same numbers whatever batch it is in. A row
-    that fails (NaN logits, say) fails its own sequence alone: the third list says why, per sequence."""
-    best = logits.max(dim=-1)  # NaN anywhere in a row makes its max NaN
+@dataclass
+class Sampled:
+    """A sequence's tokens from one step: its next token, then the token after each of its draft tokens (kept by
+    the engine while the draft agrees), each row's logprob when asked, and why a row failed (NaN logits)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    errors: list[str | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
+    """logits: each sequence's row, then its draft rows (speculation.py). A draft row is sampled as if the drafts
+    before it had been emitted: its penalties, min_tokens and random number see them. Plain greedy rows take the
+    first maximal index (widening bfloat16 first changes no order)."""
+    rows = [(s, j) for s in seqs for j in range(len(s.draft) + 1)]
+    x = _process(logits, rows)
+    best = x.max(dim=-1)  # NaN anywhere in a row makes its max NaN
     tokens = best.indices
-    logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # row -> chosen, top ids, top values
-    errors: list[str | None] = [None] * len(seqs)
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        processed = bool(
-            p.presence_penalty
-            or p.frequency_penalty
-            or p.repetition_penalty != 1
-            or p.logit_bias
-            or seq.num_tokens - seq.num_prompt_tokens < p.min_tokens
-        )
-        if not (p.temperature or p.logprobs is not None or processed):
-            continue
-        try:
-            raw = logits[i].float()
-            logit = _process(raw.clone(), seq) if processed else raw
-            if p.temperature:
-                tokens[i] = _draw(logit / p.temperature, p, seq.generator)
-            elif processed:
-                tokens[i] = logit.argmax()
-            if p.logprobs is not None:
-                # From the model's own distribution, before penalties, bias and temperature, as vLLM's default.
-                lp = raw.log_softmax(-1)
-                top = lp.topk(p.logprobs)
-                logprobs[i] = lp.gather(0, tokens[i : i + 1]), top.indices, top.values
-        except Exception as e:
-            errors[i] = f"sampling failed ({type(e).__name__}: {e})"
-            logprobs.pop(i, None)
-    # One transfer: token ids (exact in float64), NaN flags and every logprob in one tensor: n ids, n flags,
-    # then per sequence with logprobs its token's logprob, its k top ids and their k logprobs.
-    n = len(seqs)
-    flat = torch.cat(
-        [t.double() for t in (tokens, best.values.isnan(), *(t for row in logprobs.values() for t in row))]
-    ).tolist()
-    ids, at = [int(t) for t in flat[:n]], 2 * n
-    out: list[TokenLogprob | None] = [None] * n
-    for i in logprobs:
-        k = seqs[i].params.logprobs
-        top = list(zip(map(int, flat[at + 1 : at + 1 + k]), flat[at + 1 + k : at + 1 + 2 * k]))
-        out[i], at = TokenLogprob(ids[i], flat[at], top), at + 1 + 2 * k
-    errors = [e or ("the model's logits are NaN" if flat[n + i] else None) for i, e in enumerate(errors)]
-    return ids, out, errors
+    drawn = [r for r, (s, _) in enumerate(rows) if s.params.temperature]
+    if drawn:
+        # A row's key: its sequence's seed, and which output token it samples (the drafts before it counted).
+        keys = [(s.seed, s.num_tokens - s.num_prompt_tokens + j) for s, j in (rows[r] for r in drawn)]
+        tokens[drawn] = _draw(x[drawn], [rows[r][0].params for r in drawn], uniforms(keys, x.device))
+    # From the model's own distribution, before penalties, bias and temperature, as vLLM's default.
+    asked = [r for r, (s, _) in enumerate(rows) if s.params.logprobs is not None]
+    parts = [tokens, best.values.isnan()]
+    if asked:
+        lp = logits[asked].float().log_softmax(-1)
+        top = lp.topk(TOP_LOGPROBS)
+        parts += [lp.gather(1, tokens[asked].unsqueeze(1))[:, 0], top.indices.flatten(), top.values.flatten()]
+    # One transfer: ids (exact in float64), NaN flags, then the asked rows' logprobs, top ids and top logprobs.
+    flat = torch.cat([t.double() for t in parts]).tolist()
+    n, k = len(rows), TOP_LOGPROBS
+    ids, logprobs = [int(t) for t in flat[:n]], [None] * n
+    chosen, top_ids, top_lps = flat[2 * n :], flat[2 * n + len(asked) :], flat[2 * n + len(asked) * (1 + k) :]
+    for i, r in enumerate(asked):
+        top = list(zip(map(int, top_ids[i * k : i * k + k]), top_lps[i * k : i * k + k]))
+        logprobs[r] = TokenLogprob(ids[r], chosen[i], top[: rows[r][0].params.logprobs])
+    errors = ["the model's logits are NaN" if nan else None for nan in flat[n : 2 * n]]
+    out, end = [], 0
+    for s in seqs:
+        mine = slice(end, end := end + 1 + len(s.draft))
+        out.append(Sampled(s, ids[mine], logprobs[mine], errors[mine]))
+    return out
 
 
-def _process(logit: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """One row of logits (float32, in place) as its request asks: stop tokens banned before min_tokens,
-    logit_bias added, then vLLM's repetition penalty and OpenAI's presence and frequency penalties."""
-    p, dev, i64 = seq.params, logit.device, torch.int64
-    if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens and seq.stop_ids:
-        logit[to_device(sorted(seq.stop_ids), i64, dev)] = float("-inf")
-    if p.logit_bias:
-        logit[to_device(list(p.logit_bias), i64, dev)] += to_device(list(p.logit_bias.values()), logit.dtype, dev)
-    if p.repetition_penalty != 1:
-        seen = to_device(seq.token_ids, i64, dev).unique()
-        x = logit[seen]
-        logit[seen] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-    if p.presence_penalty or p.frequency_penalty:
-        out = to_device(seq.output_token_ids, i64, dev)
-        counts = torch.zeros_like(logit).index_add_(0, out, torch.ones_like(out, dtype=logit.dtype))
-        logit -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    return logit
+def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+    """The logits in float32 as each row's request asks: stop tokens banned before min_tokens, logit_bias added,
+    then vLLM's repetition penalty and OpenAI's presence and frequency penalties. Each rule touches only the
+    (row, token) entries listed for its row, gathered on the host into one flat index per rule."""
+    vocab = logits.shape[-1]
+    ban, bias, repeat, penalty = [], [], [], []  # flat indices row * vocab + token (with their values)
+    for r, (seq, drafted) in enumerate(rows):
+        p, base = seq.params, r * vocab
+        out = seq.output_token_ids + seq.draft[:drafted]
+        if len(out) < p.min_tokens:
+            ban += [base + t for t in seq.stop_ids]
+        bias += [(base + t, b) for t, b in p.logit_bias.items()]
+        if p.repetition_penalty != 1:
+            repeat += [(base + t, p.repetition_penalty) for t in set(seq.token_ids[: seq.num_prompt_tokens] + out)]
+        if p.presence_penalty or p.frequency_penalty:
+            counts = np.unique(out, return_counts=True) if out else ([], [])
+            penalty += [(base + t, p.frequency_penalty * c + p.presence_penalty) for t, c in zip(*counts)]
+    if not (ban or bias or repeat or penalty):
+        return logits.float()
+    x = logits.float().clone()
+    flat, dev = x.view(-1), x.device
+    if ban:
+        flat[to_device(ban, torch.int64, dev)] = float("-inf")
+
+    def apply(pairs: list[tuple[int, float]], rule) -> None:
+        if pairs:
+            at, value = (
+                to_device([i for i, _ in pairs], torch.int64, dev),
+                to_device([v for _, v in pairs], x.dtype, dev),
+            )
+            flat[at] = rule(flat[at], value)
+
+    apply(bias, lambda v, b: v + b)
+    apply(repeat, lambda v, r: torch.where(v > 0, v / r, v * r))
+    apply(penalty, lambda v, c: v - c)
+    return x
 
 
-def _draw(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """A token drawn from softmax(row) after top-k, min-p and top-p. NaN becomes 0 first: a device
-    cannot raise for one row (a CUDA assert would end every sequence), and sample() flags the row."""
-    row, ids = row.nan_to_num(), None  # ids: the vocabulary ids of row's entries, when not all of them
-    if 0 < p.top_k < len(row):
-        # The others get probability 0; ties with the k-th stay, as in vLLM. On CPU draw among these alone
-        # (faster); on a GPU mask the others instead: how many tie would have to be read back.
-        keep = row >= row.topk(p.top_k).values[-1]
-        if row.is_cuda:
-            row = row.masked_fill(~keep, float("-inf"))
-        else:
-            ids = keep.nonzero()[:, 0]
-            row = row[ids]
-    probs = row.softmax(-1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
-        probs /= probs.sum()  # top_p measures the mass of the tokens min_p leaves, as in vLLM
-    if p.top_p < 1:
-        # Only the likeliest tokens can make the nucleus. On CPU, where sorting a whole vocabulary is slow,
-        # sort just the TOP_P_HEAD likeliest, and all only if they fall short of top_p.
-        head, order = probs.topk(probs.numel() if probs.is_cuda else min(TOP_P_HEAD, probs.numel()))
-        if len(order) < len(probs) and float(head.sum()) < p.top_p:
-            head, order = probs.sort(descending=True)
-        # Drop a token once the mass before it already reaches top_p; the first always stays (a top_p
-        # that rounds to 0 in float32 would drop it too).
-        drop = head.cumsum(-1) - head >= p.top_p
-        drop[0].fill_(False)  # not `= False`, which copies from the host and waits on a GPU
-        probs, ids = head.masked_fill(drop, 0), order if ids is None else ids[order]
-    # Inverse CDF, one uniform u in (0, 1] per draw (torch.multinomial draws one per vocabulary entry): the
-    # first token whose cumulative mass reaches u * total, never one of mass 0 (it adds nothing to the sum).
-    cdf = probs.double().cumsum(0)
-    u = 1 - torch.rand((), dtype=torch.float64, device=row.device, generator=generator)
-    token = torch.searchsorted(cdf, u * cdf[-1])
-    return token if ids is None else ids.gather(0, token.view(1))[0]  # ids[token] would read token back
+def _draw(x: torch.Tensor, params: list, u: torch.Tensor, head: int | None = None) -> torch.Tensor:
+    """One token per row from softmax(x / temperature) after top-k (ties with the k-th stay), min-p, then top-p over
+    the mass they leave, as vLLM: the inverse CDF at the row's u, over its kept tokens from the likeliest down. The
+    rules are looked for among the row's `head` likeliest tokens; a row they do not settle there goes again with
+    its whole vocabulary sorted, except a row without top-p, which draws in vocabulary order instead. On a GPU the
+    whole vocabulary is sorted at once: no row asks the host which way it goes."""
+    dev, vocab = x.device, x.shape[-1]
+    head = vocab if x.is_cuda else min(head or HEAD, vocab)
+    column = lambda values, dtype=x.dtype: to_device(values, dtype, dev)[:, None]  # noqa: E731
+    temperature, top_p, min_p = (column([getattr(p, a) for p in params]) for a in ("temperature", "top_p", "min_p"))
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    # NaN as 0: a device cannot raise for one row (a CUDA assert would end every sequence); sample() flags the row.
+    probs = (x / temperature).nan_to_num().softmax(-1)
+    hp, order = probs.topk(head)  # best first
+    kth = hp.gather(1, column([min(k, head) - 1 if k else 0 for k in top_k], torch.int64))
+    floor = torch.maximum(kth * column([k > 0 for k in top_k]), min_p * hp[:, :1])
+    keep = hp >= floor
+    # Kept tokens may reach past the head: their mass is then known only when all are kept (no top-k, no min-p).
+    past = keep[:, -1:] & (head < vocab)
+    kept = (hp * keep).cumsum(-1)[:, -1:]  # a cumsum's last: a sum in one order, whatever the rows
+    q = hp * keep / torch.where(past, 1, kept)
+    cum = q.cumsum(-1)
+    # Drop a token once the mass before it reaches top_p; the first always stays (a top_p rounding to 0 drops it).
+    nucleus = keep & ((cum - q < top_p) | (top_p == 1))
+    nucleus[:, 0] = True
+    far = column([k > head for k in top_k], torch.bool)
+    whole = (past & (top_p == 1) & ~far)[:, 0]  # every kept token, in vocabulary order
+    again = (far | past & (top_p < 1) & ((floor > 0) | (cum[:, -1:] < top_p)))[:, 0]
+    cdf = (q * nucleus).double().cumsum(-1)
+    tokens = order.gather(1, torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).clamp(max=head - 1))[:, 0]
+    if head < vocab and bool(whole.any()):
+        rows = whole.nonzero()[:, 0]
+        cdf = (probs[rows] * (probs[rows] >= floor[rows])).double().cumsum(-1)
+        tokens[rows] = torch.searchsorted(cdf, u[rows, None] * cdf[:, -1:])[:, 0]
+    if head < vocab and bool(again.any()):
+        rows = again.nonzero()[:, 0].tolist()
+        tokens[rows] = _draw(x[rows], [params[r] for r in rows], u[rows], vocab)
+    return tokens
+
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values (a product's low 32 bits are exact)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def uniforms(keys: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """A number in (0, 1] for each (seed, position), a function of that pair alone: counter-based, hashed for all
+    rows at once, so a row's draw never depends on its neighbours, the batch, or the device's kernels."""
+    words = to_device([(s & MASK32, s >> 32 & MASK32, p & MASK32) for s, p in keys], torch.int64, device)
+    h = _mix32(words[:, 2] ^ _mix32(words[:, 1] ^ _mix32(words[:, 0])))
+    hi, lo = _mix32(h ^ 0x68E31DA4), _mix32(h ^ 0xB5297A4D)  # two words of the pair's own stream
+    return ((hi >> 6) * 2**27 + (lo >> 5) + 1).double() / 2**53  # 53 bits, as a double holds
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

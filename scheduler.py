@@ -50,7 +50,8 @@ class Scheduler:
         order, while the token budget, max_num_seqs and free KV blocks allow."""
         out = SchedulerOutput([], [], [])
         self.budget = self.config.max_num_batched_tokens
-        self.drafts = draft_share(self)  # per decoding sequence
+        k, decoding = self.config.num_speculative_tokens, sum(not s.is_prefilling for s in self.running)
+        self.drafts = draft_share(k, decoding) if k else 0  # per decoding sequence
         preemptions = self.num_preemptions
         if self.config.scheduling == "static" and not self.running and not self.swapped:
             self._admit_static_batch()
@@ -151,7 +152,9 @@ class Scheduler:
             self.preempt(victim, out)
             if victim is seq:
                 return
-        n += len(propose(seq, self)) if n == 1 and self.drafts else 0
+        if n == 1 and self.drafts:  # a block for each running sequence stays free: no later decode preempts for drafts
+            lookup = (self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            n += len(propose(seq, min(self.drafts, self.budget - 1), self.blocks, len(self.running), lookup))
         self._schedule(seq, n, out)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -126,7 +126,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it: its own stop_token_ids, and EOS unless ignored
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival_time to its first step
-    generator: Any = None  # the sequence's own torch.Generator, so its samples ignore its neighbours
+    seed: int = 0  # its random numbers' key, with each output's position (sampler.uniforms)
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
     draft: list[int] = field(default_factory=list)  # this step's draft tokens, after token_ids (speculation.py)
     ngrams: Any = None  # speculation.NgramIndex

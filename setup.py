@@ -16,10 +16,10 @@ def cuda_build() -> dict:
         import torch
         from torch.utils.cpp_extension import BuildExtension
 
-        import attention_cuda
+        import attention_cuda.kernel
     except ImportError:
         return {}
-    ext = attention_cuda.cuda_extension() if torch.version.cuda else None
+    ext = attention_cuda.kernel.cuda_extension() if torch.version.cuda else None
     if ext and not torch.cuda.is_available():
         # torch compiles for the GPUs it sees; seeing none (a build host), it has no list and fails. Take the
         # architectures the tests compile for, and PTX that later GPUs compile on load.

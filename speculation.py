@@ -2,19 +2,17 @@
 those of plain decoding. The scheduler gives a decoding sequence up to num_speculative_tokens draft tokens, found
 by looking its last tokens up earlier in its own prompt and output; the runner computes them as more query tokens
 of the sequence (each a generated token at its position, so its logits are those a plain decode there would give:
-ARCHITECTURE.md, "Lanes never mix"); the engine samples the positions in order with the sequence's own generator
-and keeps a draft while the sampled token equals it. No row is free (the CPU kernel does not pad), so a lane drafts
-as much as its drafts get accepted."""
+ARCHITECTURE.md, "Lanes never mix"); the sampler samples every position at once, each with the sequence's own
+random numbers, and the engine keeps a draft while the token sampled before it equals it. No row is free (the CPU
+kernel does not pad), so a lane drafts as much as its drafts get accepted."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-import torch
-
-from sampler import sample
-from sequence import Sequence, Status
+from kv_cache import BlockManager
+from sequence import Sequence
 
 # Query tokens a step may hold with drafts: decoding lanes share what they leave of it. A row is not free
 # (BENCHMARKS.md, "Speculative decoding", has what it costs): a lane's drafts are paid for by those it gets accepted.
@@ -60,60 +58,41 @@ class NgramIndex:
         return []
 
 
-def draft_share(scheduler) -> int:
-    """Draft tokens per decoding sequence this step: DRAFT_ROWS shared fairly, none once the decodes fill it.
-    Called as each step is scheduled, it also clears the last step's record of drafts (the live page's)."""
-    scheduler.verified = {}  # request id -> (draft tokens, accepted), filled by verify
-    k = scheduler.config.num_speculative_tokens
-    if not k:
-        return 0
-    decoding = sum(not s.is_prefilling for s in scheduler.running) or 1
+def draft_share(k: int, decoding: int) -> int:
+    """Draft tokens per decoding sequence this step (k: num_speculative_tokens): DRAFT_ROWS shared fairly among the
+    decoding sequences, none once their decodes fill it."""
+    decoding = decoding or 1
     return max(0, min(k, (DRAFT_ROWS - decoding) // decoding))
 
 
-def propose(seq: Sequence, scheduler) -> list[int]:
-    """Set decoding sequence seq's draft for this step: its share of draft tokens within the step's token budget,
+def propose(seq: Sequence, k: int, blocks: BlockManager, reserve: int, lookup: tuple[int, int]) -> list[int]:
+    """Set decoding sequence seq's draft for this step: at most k tokens (its share within the step's token budget),
     none past what max_tokens leaves after the token this step samples anyway, and only into blocks that are free
-    (a draft never preempts)."""
-    c = scheduler.config
-    left = seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1
-    k = min(scheduler.drafts, scheduler.budget - 1, left)
+    with `reserve` more besides (a draft never preempts). lookup: prompt_lookup_min and _max."""
+    k = min(k, seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens) - 1)
     if k <= 0:
         return []
     if seq.ngrams is None:
-        seq.ngrams = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max, k)
-    draft, blocks = seq.ngrams.propose(seq.token_ids, min(k, seq.ngrams.limit)), scheduler.blocks
-    # A block for each running sequence stays free besides: drafts must not push a later decode into preempting.
+        seq.ngrams = NgramIndex(*lookup, k)
+    draft = seq.ngrams.propose(seq.token_ids, min(k, seq.ngrams.limit))
     if (
-        blocks.blocks_needed(seq.block_table, seq.num_computed_tokens + 1 + len(draft)) + len(scheduler.running)
+        blocks.blocks_needed(seq.block_table, seq.num_computed_tokens + 1 + len(draft)) + reserve
         <= blocks.num_free_blocks
     ):
         seq.draft = draft
     return seq.draft
 
 
-def verify(engine, seq: Sequence, token: int, rows: torch.Tensor) -> list:
-    """Engine.step's second half for a sequence with drafts, after its first token (`token`) is appended: while the
-    last emitted token equals the next draft, that draft's K/V counts as computed and its row's token is sampled
-    and appended, one draw per emitted token as in plain decoding. Then the blocks taken for rejected drafts go
-    back to the pool."""
-    draft, seq.draft, outputs = seq.draft, [], []
-    if not draft:
-        return []
-    for proposed, row in zip(draft, rows):
-        if seq.status is Status.FINISHED or token != proposed:
-            break
-        seq.num_computed_tokens += 1  # each accepted draft's output is appended below: len(outputs) accepted
-        engine.num_accepted_tokens += 1
-        (token,), (logprob,), (error,) = sample(row[None], [seq])
-        outputs.append(engine._append_token(seq, token, logprob) if error is None else engine._fail(seq, error))
-    engine.num_draft_tokens += len(draft)
-    engine.scheduler.verified[seq.request_id] = (len(draft), len(outputs))
-    seq.ngrams.verified(len(draft), len(outputs))
-    keep = -(-seq.num_computed_tokens // engine.config.block_size)  # empty when finished
-    engine.block_manager.free(seq.block_table[keep:])
+def settle(seq: Sequence, accepted: int, blocks: BlockManager, block_size: int) -> tuple[int, int]:
+    """After the engine emitted seq's tokens (and counted the accepted drafts' K/V as computed): its index learns
+    how many were accepted, and the blocks taken for the rejected ones go back to the pool. Returns (drafted,
+    accepted)."""
+    drafted, seq.draft = len(seq.draft), []
+    seq.ngrams.verified(drafted, accepted)
+    keep = -(-seq.num_computed_tokens // block_size)  # none once finished
+    blocks.free(seq.block_table[keep:])
     del seq.block_table[keep:]
-    return outputs
+    return drafted, accepted
 
 
 def speculative_config(text: str) -> dict:

@@ -435,8 +435,8 @@ def test_repetition_penalty_is_vllms():
 
     seq = Sequence("r", [0, 1], SamplingParams(repetition_penalty=2.0))
     seq.token_ids.append(3)
-    got = _process(torch.tensor([2.0, -1.0, 3.0, 0.5]), seq)
-    assert got.tolist() == [1.0, -2.0, 3.0, 0.25]
+    got = _process(torch.tensor([[2.0, -1.0, 3.0, 0.5]]), [(seq, 0)])
+    assert got.tolist() == [[1.0, -2.0, 3.0, 0.25]]
 
 
 def test_a_preset_samples_as_its_model_card_says(llm):

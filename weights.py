@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from config import DEFAULT_MODEL
-from model import ModelConfig, rope_inv_freq, tp_check, tp_split
+from model import ModelConfig, Transformer, rope_inv_freq, tp_check, tp_split
 from sequence import SamplingParams
 
 if TYPE_CHECKING:  # imported where it is used: --dummy-weights runs without it
@@ -601,6 +602,45 @@ def weight_shapes(config: ModelConfig, tp_size: int = 1) -> dict[str, tuple[int,
         name: tuple(_cut(torch.empty(shape, device="meta"), tp_split(config, name, 0, tp_size)).shape)
         for name, shape in shapes.items()
     }
+
+
+def load_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
+    """Put weights in Hugging Face Llama naming (what the loaders here yield) into model, fusing QKV and
+    gate/up, onto the rope tables' device; Gemma's norms as 1 + w, added in float32. Consumes sd to keep peak
+    memory at one copy."""
+
+    def put(module: nn.Module, *names: str) -> None:
+        t = torch.cat([sd.pop(n) for n in names]) if len(names) > 1 else sd.pop(names[0])
+        if model.config.gemma and isinstance(module, nn.RMSNorm):
+            t = (t.float() + 1).to(t.dtype)
+        module.weight = nn.Parameter(t.to(model.rope_cos.device), requires_grad=False)
+
+    put(model.embed, "model.embed_tokens.weight")
+    put(model.norm, "model.norm.weight")
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+        model.lm_head.weight = model.embed.weight
+    else:
+        put(model.lm_head, "lm_head.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        put(layer.qkv, *(p + f"self_attn.{w}_proj.weight" for w in "qkv"))
+        put(layer.o, p + "self_attn.o_proj.weight")
+        put(layer.gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        put(layer.down, p + "mlp.down_proj.weight")
+        put(layer.attn_norm, p + "input_layernorm.weight")
+        if model.config.qk_norm:
+            put(layer.q_norm, p + "self_attn.q_norm.weight")
+            put(layer.k_norm, p + "self_attn.k_norm.weight")
+        if model.config.gemma:  # Gemma's post_attention_layernorm follows attention, pre_feedforward the MLP
+            put(layer.attn_post_norm, p + "post_attention_layernorm.weight")
+            put(layer.mlp_post_norm, p + "post_feedforward_layernorm.weight")
+        put(
+            layer.mlp_norm,
+            p + ("pre_feedforward_layernorm.weight" if model.config.gemma else "post_attention_layernorm.weight"),
+        )
+    if sd:
+        raise ValueError(f"unexpected weights in checkpoint: {sorted(sd)[:5]}")
 
 
 def dummy_weights(

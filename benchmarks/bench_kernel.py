@@ -13,6 +13,7 @@ import time
 import torch
 
 import attention_cuda
+import attention_cuda.kernel
 import cpu
 from kv_cache import KV_CACHE_DTYPES
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     heads, kv_heads, dim, block = 32, 8, 128, 16
     batches = args.batches or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 4, 16])
     contexts = args.contexts or ([512, 1024, 2048, 4096, 8192] if cuda else [512, 1024])
-    ours = attention_cuda.cuda_paged_attention if cuda else cpu.BucketedAttention().decode
+    ours = attention_cuda.kernel.cuda_paged_attention if cuda else cpu.BucketedAttention().decode
     deadline, rows = time.perf_counter() + args.time_limit, []
     if cuda:
         print("bench_kernel.py: loading the CUDA kernel (built on first use: can take minutes) ...", file=sys.stderr)

@@ -67,8 +67,8 @@ def step_event(number: int, engine, out: SchedulerOutput, outputs: list, seconds
     swapped_in = {id(seq) for seq in out.swapped_in}
 
     def lane(seq: Sequence, n: int) -> dict:
-        # Its draft rows and how many were accepted: speculation.verify's record.
-        drafts, accepted = getattr(s, "verified", {}).get(seq.request_id, (0, 0)) if n else (0, 0)
+        # Its draft rows and how many were accepted: Engine._emit's record.
+        drafts, accepted = engine.verified.get(seq.request_id, (0, 0)) if n else (0, 0)
         before = seq.num_computed_tokens - (n - drafts + accepted)  # the tokens it had computed when the step began
         kind = "idle" if n == 0 else "prefill" if n - drafts > 1 or before < seq.num_prompt_tokens else "decode"
         d = {

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attention_cuda
+import attention_cuda.kernel
 import cpu
 import cpu_matmul
 from attention_cuda import paged_attention, paged_attention_varlen, store_kv
@@ -561,7 +562,7 @@ def check_kernel(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtyp
     scale = head_dim**-0.5
     caches, scales, values = stored(k_cache, v_cache, kv)
     q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
-    out = attention_cuda.cuda_paged_attention(q, *caches, t, n, scale, **scales, window=window)
+    out = attention_cuda.kernel.cuda_paged_attention(q, *caches, t, n, scale, **scales, window=window)
     assert out.shape == query.shape and out.dtype == dtype and out.device == q.device
     expected = paged_attention(query.float(), *(x.float() for x in values), tables, context_lens, scale, window=window)
     torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[dtype])
@@ -644,12 +645,12 @@ def test_kernel_lane_independent_of_batch(given, kv):
     )
     (k, v), scales, values = stored(k_cache, v_cache, kv)
     q, t, n = (x.to(DEVICE) for x in (query, tables, context_lens))
-    together = attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1, max(lens) if given else None, **scales)
+    together = attention_cuda.kernel.cuda_paged_attention(q, k, v, t, n, 0.1, max(lens) if given else None, **scales)
     expected = reference_decode(query, *values, tables, context_lens, 0.1)
     torch.testing.assert_close(together.float().cpu(), expected, **TOLERANCE[torch.bfloat16])
     for i, ctx in enumerate(lens[:-1]):
         row = t[i : i + 1, : math.ceil(ctx / 16)].contiguous()
-        alone = attention_cuda.cuda_paged_attention(
+        alone = attention_cuda.kernel.cuda_paged_attention(
             q[i : i + 1], k, v, row, n[i : i + 1], 0.1, ctx if given else None, **scales
         )
         assert torch.equal(alone, together[i : i + 1]), f"lane {i} ({ctx} tokens)"
@@ -662,7 +663,7 @@ def test_kernel_strided_query_and_empty_lane():
     lens[2] = 0
     qkv = torch.randn(3, 15, 64, dtype=torch.bfloat16)
     qkv[:, :9] = query
-    out = attention_cuda.cuda_paged_attention(
+    out = attention_cuda.kernel.cuda_paged_attention(
         qkv.to(DEVICE)[:, :9], k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE), 0.125
     )
     expected = reference_decode(query[:2], k_cache, v_cache, tables[:2], lens[:2], 0.125)
@@ -694,7 +695,9 @@ def test_kernel_store_kv_exact(dtype, kv):
     expected = [x.clone() for x in (k_cache, v_cache, *scales)]
     store_kv(key, value, *expected[:2], slots, *expected[2:])
     on_device = [x.to(DEVICE) for x in (k_cache, v_cache, *scales)]
-    attention_cuda.cuda_store_kv(key.to(DEVICE), value.to(DEVICE), *on_device[:2], slots.to(DEVICE), *on_device[2:])
+    attention_cuda.kernel.cuda_store_kv(
+        key.to(DEVICE), value.to(DEVICE), *on_device[:2], slots.to(DEVICE), *on_device[2:]
+    )
     for got, want in zip(on_device, expected):  # as bytes, so that NaN codes compare too
         assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
 
@@ -703,7 +706,7 @@ def test_kernel_store_kv_exact(dtype, kv):
 def test_kernel_argument_errors():
     query, k_cache, v_cache, tables, lens, _ = make_batch(5, [(20, 1), (3, 1)], 4, 2, 64, 16)
     q, k, v, t, n = (x.to(DEVICE) for x in (query, k_cache, v_cache, tables, lens))
-    attention = attention_cuda.cuda_paged_attention
+    attention = attention_cuda.kernel.cuda_paged_attention
     cases = [
         (lambda: attention(q.double(), k, v, t, n, 1.0), "unsupported dtype"),
         (lambda: attention(q.half(), k, v, t, n, 1.0), "dtype must match"),
@@ -725,13 +728,13 @@ def test_kernel_argument_errors():
         (lambda: attention(q, k, v, t, n, 1.0, -1), "max_context_len must be between 0"),
         (lambda: attention(q, k, v, t, n, 1.0, t.shape[1] * 16 + 1), "max_context_len must be between 0"),
         (
-            lambda: attention_cuda.cuda_store_kv(
+            lambda: attention_cuda.kernel.cuda_store_kv(
                 q[:, :2], q[:, :2], k, v, torch.zeros(2, dtype=torch.int32, device=q.device)
             ),
             "slot_mapping must be contiguous int64",
         ),
         (
-            lambda: attention_cuda.cuda_store_kv(
+            lambda: attention_cuda.kernel.cuda_store_kv(
                 q[:, :3], q[:, :3], k, v, torch.zeros(2, dtype=torch.int64, device=q.device)
             ),
             "key/value must be",
@@ -745,7 +748,7 @@ def test_kernel_argument_errors():
         (lambda: attention(q, k8, v.to(torch.int8), t, n, 1.0, k_scale=scales, v_scale=scales), "dtype must match"),
         (lambda: attention(q, k8, v8, t, n, 1.0, k_scale=scales[:1], v_scale=scales), "k_scale must be contiguous"),
         (lambda: attention(q, k8, v8, t, n, 1.0, k_scale=scales, v_scale=scales.double()), "v_scale must be"),
-        (lambda: attention_cuda.cuda_store_kv(q[:, :2], q[:, :2], k8, v8, slots), "an 8-bit cache needs"),
+        (lambda: attention_cuda.kernel.cuda_store_kv(q[:, :2], q[:, :2], k8, v8, slots), "an 8-bit cache needs"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -763,11 +766,11 @@ def test_kernel_replays_in_cuda_graph():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1)  # warm-up (and build) outside capture
+        attention_cuda.kernel.cuda_paged_attention(q, k, v, t, n, 0.1)  # warm-up (and build) outside capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attention_cuda.cuda_paged_attention(q, k, v, t, n, 0.1)
+        out = attention_cuda.kernel.cuda_paged_attention(q, k, v, t, n, 0.1)
     new_query = torch.randn(query.shape).to(torch.bfloat16)
     new_lens = torch.tensor([31, 517, 1], dtype=torch.int32)
     q.copy_(new_query)

@@ -59,7 +59,7 @@ def decode_logits(path, prompt: list[int], steps: int, fast_cpu: bool) -> torch.
     paged cache of blocks of 4: prefill then decode steps, by the reference attention or the CPU one."""
     config, state = load_weights(str(path))
     model = Transformer(config, 64)
-    model.load_hf_state_dict(state)
+    weights.load_state_dict(model, state)
     if fast_cpu:
         cpu.optimize(model, None, 1)
     cache, blocks = (
@@ -222,7 +222,7 @@ def test_dummy_weights_run_each_family():
     for name in ("qwen3-0.6b", "gemma3-270m"):
         config = dataclasses.replace(PRESETS[name], num_hidden_layers=2, vocab_size=512)
         model = Transformer(config, 64)
-        model.load_hf_state_dict(weights.dummy_weights(config))
+        weights.load_state_dict(model, weights.dummy_weights(config))
         assert torch.isfinite(our_logits_dummy(model, config)).all()
 
 

@@ -125,6 +125,40 @@ def test_64_lanes_sampling_together(families, model, mode, kv_cache_dtype):
     assert together == alone(llm, requests)
 
 
+def mixed(rng: random.Random, n: int) -> SamplingParams:
+    """Seeded sampling with a random mix of every rule the sampler applies (on random weights' near-flat logits
+    the nucleus is often wider than the sampler's head: its second pass, and the vocabulary-order draw, run too)."""
+    pick = rng.choice
+    return SamplingParams(
+        temperature=pick([0, 0.05, 0.3, 1.0]),
+        top_p=pick([1.0, 0.9, 0.3]),
+        top_k=pick([0, 0, 5, 100]),
+        min_p=pick([0, 0, 0.1, 0.9]),
+        presence_penalty=pick([0, 0.5]),
+        frequency_penalty=pick([0, 0.3]),
+        repetition_penalty=pick([1, 1, 1.3]),
+        logit_bias=pick([{}, {rng.randrange(8192): 4.0, rng.randrange(8192): -50.0}]),
+        min_tokens=pick([0, 4]),
+        stop_token_ids=[rng.randrange(8192)],
+        seed=rng.randrange(2**64),
+        max_tokens=n,
+        ignore_eos=True,
+        logprobs=pick([0, 2, 20]),
+    )
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16"])
+def test_64_lanes_sampling_with_mixed_parameters(smollm2_shapes, mode):
+    # Every row of the sampler's batched ops computed on its own: 64 lanes, each with its own temperature, top-k,
+    # top-p, min-p, penalties, bias, min_tokens, seed and logprobs, together bit for bit as each alone.
+    rng = random.Random(57)
+    requests = [(random_prompt(rng, rng.randint(3, 40)), mixed(rng, rng.randint(6, 12))) for _ in range(64)]
+    llm = engine("smollm2-shapes", mode, max_num_seqs=64, max_num_batched_tokens=1024)
+    together = run(llm, requests)
+    assert len({tuple(t for t, *_ in steps) for steps in together.values()}) == 64
+    assert together == alone(llm, requests)
+
+
 @pytest.fixture(scope="module")
 def shared_prefixes(smollm2_shapes) -> list[tuple[list[int], SamplingParams]]:
     """16 requests: system prompts of 40, 100 and 260 tokens shared by 4 requests each, and 4 without."""

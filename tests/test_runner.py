@@ -52,8 +52,8 @@ def test_graph_replay_samples_the_right_rows(tiny):
     eager = r.run(scheduled)
     r.graphs = EveryRow()
     replayed = r.run(scheduled)
-    assert [s.request_id for s, *_ in replayed] == ["a", "c"]
-    assert [(s, t, lp.logprob) for s, t, lp, *_ in replayed] == [(s, t, lp.logprob) for s, t, lp, *_ in eager]
+    assert [o.seq.request_id for o in replayed] == ["a", "c"]
+    assert [(o.seq, o.token_ids, o.logprobs) for o in replayed] == [(o.seq, o.token_ids, o.logprobs) for o in eager]
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_one_host_sync_per_step(tiny, monkeypatch):
     # CPU attention reads lengths back (free on a CPU); the CUDA kernels read none. Stand-ins that read none:
     llm.runner.model.attention = lambda q, *args, **kwargs: q.clone()
     llm.runner.model.store_kv = lambda *args: None
-    monkeypatch.setattr(sampler, "TOP_P_HEAD", 10**9)  # on CPU top_p reads the head's mass back; CUDA sorts all
+    monkeypatch.setattr(sampler, "HEAD", 10**9)  # on CPU the head's rules read back which rows go again; CUDA sorts all
     modes = [
         dict(temperature=0),
         dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, seed=1),
@@ -258,20 +258,34 @@ def test_random_weights_need_no_files(tmp_path):
 def test_draws_follow_the_distribution(probs, knobs, expected):
     """10,000 draws: each token's frequency within 0.02 of its probability (4 standard deviations of the
     worst case), and a token of probability 0 never drawn."""
-    row = torch.tensor(probs).log()
-    g, p = torch.Generator().manual_seed(0), SamplingParams(**knobs)
-    counts = torch.bincount(torch.stack([_draw(row, p, g) for _ in range(10_000)]), minlength=5)
+    rows = torch.tensor(probs).log().expand(10_000, 5)
+    u = sampler.uniforms([(7, i) for i in range(10_000)], rows.device)  # one seed, 10,000 positions
+    counts = torch.bincount(_draw(rows, [SamplingParams(**knobs)] * 10_000, u), minlength=5)
     freq = counts / counts.sum()
     assert (freq - torch.tensor(expected)).abs().max() < 0.02, freq
     assert all(c == 0 for c, e in zip(counts.tolist(), expected) if e == 0)
 
 
+def test_random_numbers_are_a_function_of_seed_and_position_alone():
+    """sampler.uniforms: the same (seed, position) gives the same number wherever it sits among others; numbers
+    in (0, 1], spread evenly over seeds and over positions."""
+    cpu_ = torch.device("cpu")
+    keys = [(2**64 - 1 - s, p) for s in range(100) for p in range(100)]
+    u = sampler.uniforms(keys, cpu_)
+    assert torch.equal(sampler.uniforms(keys[::-1], cpu_), u.flip(0))
+    assert torch.equal(sampler.uniforms(keys[4321:4322], cpu_), u[4321:4322])
+    assert 0 < u.min() and u.max() <= 1 and len(set(u.tolist())) == len(keys)
+    for n in (10, 100):  # each tenth of (0, 1] within 4 standard deviations of its share
+        counts = torch.bincount((u.view(100, 100)[:n] * 10).ceil().long().flatten() - 1, minlength=10)
+        assert (counts - 10 * n).abs().max() < 4 * (100 * n * 0.09) ** 0.5, counts  # n * 100 numbers
+
+
 def test_a_nucleus_wider_than_the_sorted_head():
     """top_p 0.5 over 4,096 equally likely tokens keeps 2,048 of them (each 2^-12: the sums are exact), more
-    than the TOP_P_HEAD that _draw sorts first, so it must sort them all."""
-    g, p = torch.Generator().manual_seed(0), SamplingParams(top_p=0.5)
-    drawn = {int(_draw(torch.zeros(4096), p, g)) for _ in range(4_000)}  # ~1,760 distinct expected
-    assert sampler.TOP_P_HEAD < len(drawn) <= 2048
+    than the HEAD that _draw looks among first, so it must sort them all."""
+    u = sampler.uniforms([(i, 0) for i in range(4_000)], torch.device("cpu"))  # 4,000 seeds, one position
+    drawn = set(_draw(torch.zeros(4_000, 4096), [SamplingParams(top_p=0.5)] * 4_000, u).tolist())
+    assert sampler.HEAD < len(drawn) <= 2048  # ~1,760 distinct expected
 
 
 FRAGMENTED_HEAP = """

@@ -440,7 +440,7 @@ def our_logits(path, ids: list[list[int]]) -> torch.Tensor:
 
     config, state = load_weights(str(path))
     model = Transformer(config, 64)
-    model.load_hf_state_dict(state)
+    weights.load_state_dict(model, state)
     kv = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
     cache, blocks = KVCache(kv, 16, 4, torch.float32, "cpu"), BlockManager(16, 4)
     tables, slots, starts = [], [], [0]
