@@ -51,6 +51,11 @@ class SeqStep:
 
 
 class Engine:
+    """The step loop, on one thread. It owns the requests in flight (`requests`: request id -> Sequence), the
+    scheduler and the KV block pool it schedules from, the runner (model, KV cache, tensor-parallel ranks), the
+    tokenizer, the counters of /metrics, and each step's record of drafts (`verified`). add_request and abort
+    between steps; step() runs one."""
+
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         # Keyword arguments set knobs, over config's if both are given.
         self.config = c = replace(config, **kwargs) if config else EngineConfig(**kwargs)

@@ -40,6 +40,11 @@ class Stream:
 
 
 class EngineLoop:
+    """The Engine on a thread of its own, for the server's request threads. It owns the engine (once loaded), the
+    inbox of Submits and aborts (drained between steps), each request's Stream (its reply queue), the step events
+    for watchers, the latency histograms, and why the engine died if it did; the request threads touch nothing
+    else."""
+
     def __init__(self, config: EngineConfig, max_queue: int = 1024, served_model_name: str | list[str] | None = None):
         self.config, self.max_queue, self.served_model_name = config, max_queue, served_model_name
         self.engine: Engine | None = None  # set once loaded
