@@ -267,7 +267,9 @@ def test_stopped_while_loading_leaves_no_worker_and_no_traceback(wait):
 def test_a_killed_rank_0_leaves_no_worker():
     """SIGKILL runs no exit handler on rank 0: its workers, which watch it, end by themselves."""
     script = (
-        "import time, weights, test_parallel\n"
+        "import sys, time, weights\n"
+        "sys.path.insert(0, 'tests')\n"
+        "import test_parallel\n"
         "from engine import LLM\n"
         "weights.PRESETS['kv4'] = test_parallel.shapes(4)\n"
         "llm = LLM(model='kv4', dummy_weights=True, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"

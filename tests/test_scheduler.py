@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from kv_cache import BlockManager, KVCache, KVShape
+from sampler import Sampled
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
@@ -276,7 +277,7 @@ def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):
         device="cpu",
     )
     llm.runner.run = lambda scheduled, swap_out, swap_in: [
-        (s, 7, None, None, None) for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens
+        Sampled(s, [7], [None], [None]) for s, n in scheduled if s.num_computed_tokens + n == s.num_tokens
     ]
     for i in range(250):
         llm.add_request([5 + i], SamplingParams(max_tokens=5000, ignore_eos=True))
