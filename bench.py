@@ -149,7 +149,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,  # the API's range: more gets HTTP 400
         help="sampling temperature (0: greedy, as vLLM's bench)",
     )
-    a("--top-p", type=_number(float, most=1), default=1.0, help="nucleus sampling's top_p, with a --temperature")
+    a(
+        "--top-p",
+        type=_number(float, most=1),
+        help="nucleus sampling's top_p (default: not sent, so the server's own default: the model card's, here)",
+    )
     a(
         "--slo-ttft",
         type=num,
@@ -398,10 +402,10 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": req.max_tokens,
         "temperature": args.temperature,
-        "top_p": args.top_p,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": req.ignore_eos,
+        **({"top_p": args.top_p} if args.top_p is not None else {}),
     }
     try:
         async with asyncio.timeout(args.request_timeout):
@@ -760,7 +764,7 @@ def run_offline(args, deadline: float, report: dict) -> None:
     try:
         for p, n in zip(prompts, outs):
             llm.add_request(
-                p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, top_p=args.top_p)
+                p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature, top_p=args.top_p or 1.0)
             )
     except ValueError as e:  # a sequence the engine can never hold
         raise BenchError(f"--offline: {e} (see --min-len, --max-len and the engine's size knobs)") from None
@@ -828,7 +832,8 @@ def print_report(report: dict, args) -> None:
         print(
             f"Workload: {args.workload}; each client sends "
             f"{'1 request' if n == 1 else f'{n} requests one after another'} of "
-            f"{args.max_tokens} output tokens (ignore_eos), temperature {args.temperature:g}, top_p {args.top_p:g}"
+            f"{args.max_tokens} output tokens (ignore_eos), temperature {args.temperature:g}"
+            + (f", top_p {args.top_p:g}" if args.top_p is not None else "")
         )
         for i, head in enumerate(heads):
             print(f"{'Concurrency (clients)' if i == 0 else 'Batching':<{w}}" + "".join(f"{h:>14}" for h in head))

@@ -137,6 +137,7 @@ def test_step_trace():
     assert engine.block_manager.num_free_blocks == 16
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_long_prompt_chunked_while_others_decode(llm):
     short = llm.add_request(
         llm.tokenizer.apply_chat_template(CHATS[3]), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -162,7 +163,7 @@ def test_long_prompt_chunked_while_others_decode(llm):
 
 
 def test_abort_frees_blocks(llm):
-    rid = llm.add_request("Tell me a long story.", SamplingParams(max_tokens=100))
+    rid = llm.add_request("Tell me a long story.", SamplingParams(max_tokens=100, ignore_eos=True))
     llm.step()
     llm.step()
     assert llm.block_manager.num_free_blocks < llm.block_manager.num_blocks
@@ -276,6 +277,7 @@ def test_the_python_api_refuses_bad_input_whole(tiny):
         strict.apply_chat_template([{"role": "system", "content": "hi"}])
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_int4_gives_back_the_checkpoints_own_q4_blocks():
     # The default GGUF keeps every layer matmul in Q4_1: requantizing its dequantized weights must
     # recover them exactly (read back through the 4-bit matmul with the identity as input).
@@ -439,6 +441,7 @@ def test_repetition_penalty_is_vllms():
     assert got.tolist() == [[1.0, -2.0, 3.0, 0.25]]
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_a_preset_samples_as_its_model_card_says(llm):
     """A preset found by its name, with no generation_config.json (a GGUF), samples the requests that leave the
     fields out as its model card does (SmolLM2: temperature 0.2, top_p 0.9), not at OpenAI's temperature 1."""
@@ -495,6 +498,7 @@ def test_generation_config_sets_the_defaults_of_requests(tmp_path, hf_tokenizer)
         weights.sampling_defaults(str(tmp_path))
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_float16_on_cpu_takes_the_torch_forms():
     # The CPU kernels take float32 and bfloat16; a float16 engine runs the torch forms (it failed in
     # token_attention), a request's tokens the same alone and beside another.

@@ -152,6 +152,7 @@ def test_quick_is_a_short_sweep_without_the_probe_and_explicit_flags_win():
     assert not bench.parse_args(["--mixed-num-short", "0"]).mixed_probe  # how the probe was turned off before
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_quick_run_says_which_server_it_measures_and_prints_vllms_rows(stub, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "SERVE_URL", stub())  # a server already running where serve.py listens
     rc, report, out, err = run([*SMALL, "--quick", "--max-tokens", "4"], tmp_path, capsys)
@@ -205,6 +206,7 @@ def test_offline(tmp_path, capsys):
     assert "Offline: 3/3 sequences" in out
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_offline_requests_that_cannot_fit_fail_in_one_line(tmp_path, capsys):
     rc, _, _, err = run(
         [*SMALL, "--offline", "--num-prompts", "2", "--min-len", "100", "--max-len", "100", "--max-model-len", "64"],
@@ -274,6 +276,7 @@ def test_kernel_bench_sizes_that_do_not_fit_in_memory_are_one_line():
     assert "does not fit" in e.value.code and "\n" not in e.value.code
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_kernel_bench_on_cpu_times_the_fast_decode_against_the_reference(tmp_path, capsys):
     path = tmp_path / "kernel.json"
     assert bench_kernel.main(["--device", "cpu", "--batches", "1", "2", "--contexts", "32", "--json", str(path)]) == 0
@@ -507,6 +510,7 @@ def test_unreachable_server_is_one_line(tmp_path, capsys):
     assert "Serving benchmark" not in out  # no table of dashes: nothing was measured
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_a_server_that_never_answers_is_one_line(tmp_path, capsys):
     with socket.create_server(("127.0.0.1", 0)) as s:  # connections wait in its backlog, never answered
         closer = threading.Timer(30, s.close)  # a client without a timeout then fails rather than hangs
@@ -673,6 +677,7 @@ def test_gpu_script_rehearsal_on_cpu(tmp_path):
     assert json.loads((out / "cpu_smoke.json").read_text())["offline"]["finished"] == 4
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_kv_accuracy_bench_compares_each_8_bit_cache_with_auto(tmp_path, capsys):
     from benchmarks import bench_kv
 

@@ -202,7 +202,10 @@ def test_a_residual_is_added_as_torch_adds(dtype, quant):
         lin(x, residual[:, :100].contiguous())
 
 
-@pytest.mark.parametrize("dtype, quant", [("float32", None), ("bfloat16", None), ("bfloat16", "int4")])
+@pytest.mark.parametrize(
+    "dtype, quant",
+    [("float32", None), pytest.param("bfloat16", None, marks=pytest.mark.slow), ("bfloat16", "int4")],
+)
 def test_fused_block_is_block_forward(dtype, quant):
     # cpu.optimize's FusedBlock gives Block.forward's logits bit for bit over a step of prompt pieces and decodes.
     from engine import LLM, SamplingParams

@@ -96,6 +96,7 @@ def test_step_events_format(server):
     assert first["hit"] == 32 and first["tokens"] == 8
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_a_watcher_that_never_reads_costs_bounded_memory_and_no_step(server):
     sock = socket.create_connection((server.host, server.port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -148,6 +149,7 @@ def test_missed_steps_are_only_a_watchers_own(monkeypatch):
     assert numbers(steps.read(after, 0)[0]) == [25]
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_a_new_watcher_starts_at_the_next_step_with_nothing_missed(server):
     """Steps that ran while nobody watched, or before this watcher came, are not its missed steps: a page opened
     on a server that has worked a while says nothing of them, and gets no earlier watcher's events either."""
@@ -253,6 +255,7 @@ window.fetch = (url, options) => {
 };"""
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_page_in_a_real_browser(server, browser, tmp_path):
     d = browser
     open_page(d, server)

@@ -309,6 +309,7 @@ def test_chat_n2_stream(client):
     assert set(finished) == {0, 1}
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_stop_strings(client):
     full = (
         client.completions.create(
@@ -389,6 +390,7 @@ def test_non_streaming_disconnect_aborts(server):
     assert m["num_requests_running"] == 0 and m["kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_short_requests_finish_before_long_one(server, client):
     """Continuous batching seen through HTTP: short requests sent while a long one runs finish first."""
     finished: dict[str, float] = {}
@@ -587,6 +589,7 @@ def test_no_body_passes_for_the_next_request_and_http10_streams_unchunked(server
     assert "ValueError: a bug" in err and "BrokenPipeError" not in err
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_slow_client_gets_408_and_others_are_served(server, client):
     saved, server.timeout = server.timeout, 1.5
     try:
@@ -686,6 +689,7 @@ def test_every_engine_knob_is_a_flag(prog, capsys):
     assert from_cli_args(parser.parse_args([])) == EngineConfig()
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_cli_unknown_model_fails_cleanly():
     p = subprocess.run(
         [sys.executable, "serve.py", "--model", "no-such-model", "--port", "0"],
@@ -698,6 +702,7 @@ def test_cli_unknown_model_fails_cleanly():
     assert p.returncode == 1 and "no-such-model" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_cli_port_taken_names_the_flag_to_change():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
@@ -824,6 +829,7 @@ def test_cli_serves_and_stops_on_sigterm():
         p.kill()
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_cli_stops_cleanly_while_loading():
     p = subprocess.Popen(
         [sys.executable, "serve.py", "--port", "0"], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True
@@ -1009,6 +1015,7 @@ def test_engine_thread_death_is_reported_not_hung(tiny, capsys, where):
         s.stop()
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_request_timeout_ends_the_request_and_frees_its_lane(tiny):
     s = Server(
         EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=16, device="cpu"), port=0, request_timeout=0.5
@@ -1227,6 +1234,7 @@ def test_disable_log_requests_flag():
     assert _parser().parse_args(args).disable_log_requests and not _parser().parse_args([]).disable_log_requests
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_chat_template_file(tiny, tmp_path):
     path = tmp_path / "t.jinja"
     # {% break %} needs the loop-controls extension of the environment checkpoint templates render in.

@@ -386,8 +386,8 @@ test_completions_tiny = parity_test("tiny_server", False, 10, tiny=True)
 test_chat_tiny = parity_test("tiny_server", True, 10, tiny=True)
 test_completions_tiny_preempted = parity_test("tight_server", False, 4, tiny=True, tight=True)
 test_chat_tiny_preempted = parity_test("tight_server", True, 4, tiny=True, tight=True)
-test_completions_smollm2 = parity_test("smol_server", False, 2, tiny=False)
-test_chat_smollm2 = parity_test("smol_server", True, 2, tiny=False)
+test_completions_smollm2 = pytest.mark.slow(parity_test("smol_server", False, 2, tiny=False))  # tiny: the inner loop
+test_chat_smollm2 = pytest.mark.slow(parity_test("smol_server", True, 2, tiny=False))
 
 
 def test_a_stop_string_completed_by_the_last_character_ends_the_reply(tiny_server):
