@@ -19,6 +19,7 @@ from sampler import Sampled, TokenLogprob
 from scheduler import Scheduler
 from sequence import SamplingParams, Sequence, Status, require
 from speculation import settle
+from structured import Grammars
 from tokenizer import IncrementalDetokenizer, byte_tokenizer, load_tokenizer, read_chat_template
 
 
@@ -78,6 +79,7 @@ class Engine:
         found = weights.sampling_defaults(r.checkpoint_path) if auto else {}
         self.sampling_defaults = found or dict(card)
         self.sampling_source = "generation_config.json" if found else "model card" if self.sampling_defaults else None
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.block_manager = BlockManager(r.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}
@@ -152,6 +154,8 @@ class Engine:
         )
         seq = Sequence(request_id, ids, params)
         seq.seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        if params.structured_outputs is not None:  # compiled here: a grammar that does not compile is a ValueError
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         eos = set() if params.ignore_eos else self.tokenizer.stop_token_ids
         seq.stop_ids = frozenset(params.stop_token_ids) | eos
@@ -236,6 +240,8 @@ class Engine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        if seq.grammar and not seq.grammar.accept(token):  # another rule (min_tokens, a bias) banned all it allows
+            return self._fail(seq, "no token is allowed by both the grammar and the request's other rules")
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
         delta, reason, stop_reason = "", None, None
@@ -247,7 +253,7 @@ class Engine:
                 delta = seq.detokenizer.feed(token, len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens)
             except Exception as e:  # a tokenizer bug fails this request, not its neighbours
                 return self._fail(seq, f"detokenizing failed ({type(e).__name__}: {e})")
-            reason = "stop" if seq.detokenizer.stopped else None
+            reason = "stop" if seq.detokenizer.stopped or seq.grammar and seq.grammar.done else None
         if reason is None and (
             len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
         ):
@@ -342,12 +348,6 @@ class LLM(Engine):
     ) -> list[RequestOutput]:
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-
-        def message(m) -> bool:
-            return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-
-        if not isinstance(conversations, list) or not all(
-            isinstance(c, list) and c and all(map(message, c)) for c in conversations
-        ):
-            raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
+        if not isinstance(conversations, list):  # each conversation is checked by the template's renderer
+            raise ValueError("conversations: a list of messages, or a list of those")
         return self.generate([self.tokenizer.apply_chat_template(m) for m in conversations], sampling_params)

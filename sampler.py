@@ -45,7 +45,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     if drawn:
         # A row's key: its sequence's seed, and which output token it samples (the drafts before it counted).
         keys = [(s.seed, s.num_tokens - s.num_prompt_tokens + j) for s, j in (rows[r] for r in drawn)]
-        tokens[drawn] = _draw(x[drawn], [rows[r][0].params for r in drawn], uniforms(keys, x.device))
+        tokens[drawn] = _draw(
+            x[drawn] if len(drawn) < len(rows) else x, [rows[r][0].params for r in drawn], uniforms(keys, x.device)
+        )
     # From the model's own distribution, before penalties, bias and temperature, as vLLM's default.
     asked = [r for r, (s, _) in enumerate(rows) if s.params.logprobs is not None]
     parts = [tokens, best.values.isnan()]
@@ -71,8 +73,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
 
 def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
     """The logits in float32 as each row's request asks: stop tokens banned before min_tokens, logit_bias added,
-    then vLLM's repetition penalty and OpenAI's presence and frequency penalties. Each rule touches only the
-    (row, token) entries listed for its row, gathered on the host into one flat index per rule."""
+    then vLLM's repetition penalty, OpenAI's presence and frequency penalties, and the grammar's mask. Each rule
+    touches only the (row, token) entries listed for its row, gathered on the host into one flat index per rule."""
     vocab = logits.shape[-1]
     ban, bias, repeat, penalty = [], [], [], []  # flat indices row * vocab + token (with their values)
     for r, (seq, drafted) in enumerate(rows):
@@ -86,24 +88,24 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
         if p.presence_penalty or p.frequency_penalty:
             counts = np.unique(out, return_counts=True) if out else ([], [])
             penalty += [(base + t, p.frequency_penalty * c + p.presence_penalty) for t, c in zip(*counts)]
-    if not (ban or bias or repeat or penalty):
+    grammars = {id(s): s for s, _ in rows if s.grammar}  # each masks its own rows: its next token's, its drafts'
+    if not (ban or bias or repeat or penalty or grammars):
         return logits.float()
     x = logits.float().clone()
     flat, dev = x.view(-1), x.device
     if ban:
         flat[to_device(ban, torch.int64, dev)] = float("-inf")
-
-    def apply(pairs: list[tuple[int, float]], rule) -> None:
+    for pairs, rule in (
+        (bias, lambda v, b: v + b),
+        (repeat, lambda v, r: torch.where(v > 0, v / r, v * r)),
+        (penalty, lambda v, c: v - c),
+    ):
         if pairs:
-            at, value = (
-                to_device([i for i, _ in pairs], torch.int64, dev),
-                to_device([v for _, v in pairs], x.dtype, dev),
-            )
-            flat[at] = rule(flat[at], value)
-
-    apply(bias, lambda v, b: v + b)
-    apply(repeat, lambda v, r: torch.where(v > 0, v / r, v * r))
-    apply(penalty, lambda v, c: v - c)
+            at, value = zip(*pairs)
+            at = to_device(list(at), torch.int64, dev)
+            flat[at] = rule(flat[at], to_device(list(value), x.dtype, dev))
+    for s in grammars.values():
+        s.grammar.mask(x, [r for r, (seq, _) in enumerate(rows) if seq is s], s.draft)
     return x
 
 
@@ -111,18 +113,18 @@ def _draw(x: torch.Tensor, params: list, u: torch.Tensor, head: int | None = Non
     """One token per row from softmax(x / temperature) after top-k (ties with the k-th stay), min-p, then top-p over
     the mass they leave, as vLLM: the inverse CDF at the row's u, over its kept tokens from the likeliest down. The
     rules are looked for among the row's `head` likeliest tokens; a row they do not settle there goes again with
-    its whole vocabulary sorted, except a row without top-p, which draws in vocabulary order instead. On a GPU the
+    16 times the head (at last its whole vocabulary), except a row without top-p, which draws in vocabulary order instead. On a GPU the
     whole vocabulary is sorted at once: no row asks the host which way it goes."""
     dev, vocab = x.device, x.shape[-1]
     head = vocab if x.is_cuda else min(head or HEAD, vocab)
-    column = lambda values, dtype=x.dtype: to_device(values, dtype, dev)[:, None]  # noqa: E731
-    temperature, top_p, min_p = (column([getattr(p, a) for p in params]) for a in ("temperature", "top_p", "min_p"))
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
-    # NaN as 0: a device cannot raise for one row (a CUDA assert would end every sequence); sample() flags the row.
-    probs = (x / temperature).nan_to_num().softmax(-1)
+    table = [[p.temperature, p.top_p, p.min_p, min(k, head), k > head] for p, k in zip(params, top_k)]
+    temperature, top_p, min_p, k, far = to_device(table, x.dtype, dev).T.unsqueeze(-1)  # a column each
+    # A row of NaN draws garbage, never out of bounds (a CUDA assert would end every sequence); sample() flags it.
+    probs = (x / temperature).softmax(-1)
     hp, order = probs.topk(head)  # best first
-    kth = hp.gather(1, column([min(k, head) - 1 if k else 0 for k in top_k], torch.int64))
-    floor = torch.maximum(kth * column([k > 0 for k in top_k]), min_p * hp[:, :1])
+    kth = hp.gather(1, (k - 1).clamp(min=0).long())
+    floor = torch.maximum(kth * (k > 0), min_p * hp[:, :1])
     keep = hp >= floor
     # Kept tokens may reach past the head: their mass is then known only when all are kept (no top-k, no min-p).
     past = keep[:, -1:] & (head < vocab)
@@ -132,7 +134,7 @@ def _draw(x: torch.Tensor, params: list, u: torch.Tensor, head: int | None = Non
     # Drop a token once the mass before it reaches top_p; the first always stays (a top_p rounding to 0 drops it).
     nucleus = keep & ((cum - q < top_p) | (top_p == 1))
     nucleus[:, 0] = True
-    far = column([k > head for k in top_k], torch.bool)
+    far = far > 0  # a top-k past the head
     whole = (past & (top_p == 1) & ~far)[:, 0]  # every kept token, in vocabulary order
     again = (far | past & (top_p < 1) & ((floor > 0) | (cum[:, -1:] < top_p)))[:, 0]
     cdf = (q * nucleus).double().cumsum(-1)
@@ -143,7 +145,7 @@ def _draw(x: torch.Tensor, params: list, u: torch.Tensor, head: int | None = Non
         tokens[rows] = torch.searchsorted(cdf, u[rows, None] * cdf[:, -1:])[:, 0]
     if head < vocab and bool(again.any()):
         rows = again.nonzero()[:, 0].tolist()
-        tokens[rows] = _draw(x[rows], [params[r] for r in rows], u[rows], vocab)
+        tokens[rows] = _draw(x[rows], [params[r] for r in rows], u[rows], head * 16)  # at last the whole vocabulary
     return tokens
 
 

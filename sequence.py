@@ -42,6 +42,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     skip_special_tokens: bool = True  # control tokens (<|im_start|>) give no text
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only between requests of equal salts
+    structured_outputs: dict | None = None  # vLLM's: one of json, json_object, regex, choice, grammar (structured.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -53,6 +54,7 @@ class SamplingParams:
                 *(typed(n, getattr(self, n), float) for n in numbers),
                 *(typed(n, getattr(self, n), int, n in ("seed", "logprobs")) for n in integers),
                 *(typed(n, getattr(self, n), bool) for n in ("ignore_eos", "skip_special_tokens")),
+                typed("structured_outputs", self.structured_outputs, dict, True),
                 (
                     self.cache_salt is None or isinstance(self.cache_salt, str) and self.cache_salt,
                     "cache_salt must be a non-empty string",
@@ -130,6 +132,7 @@ class Sequence:
     detokenizer: Any = None  # tokenizer.IncrementalDetokenizer
     draft: list[int] = field(default_factory=list)  # this step's draft tokens, after token_ids (speculation.py)
     ngrams: Any = None  # speculation.NgramIndex
+    grammar: Any = None  # structured.Matcher, for a request with structured_outputs
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

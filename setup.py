@@ -36,7 +36,17 @@ setup(
     py_modules=MODULES,
     packages=["attention_cuda", "cpu_matmul", "server", "benchmarks"],
     package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"], "cpu_matmul": ["*.cpp"], "server": ["page.html"]},
-    install_requires=["torch>=2.5", "numpy", "tiktoken", "ninja", "gguf", "safetensors", "jinja2", "tokenizers"],
+    install_requires=[
+        "torch>=2.5",
+        "numpy",
+        "tiktoken",
+        "ninja",
+        "gguf",
+        "safetensors",
+        "jinja2",
+        "tokenizers",
+        "llguidance",
+    ],
     extras_require={"test": ["pytest", "transformers", "accelerate", "openai", "hypothesis", "selenium", "ruff"]},
     **cuda_build(),
 )

@@ -195,6 +195,8 @@ class Tokenizer:
         return tok
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not (isinstance(messages, list) and messages and all(map(_is_message, messages))):
+            raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
         tokens = {k: self.decode([i]) for k, i in names.items() if i is not None}
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
@@ -206,6 +208,10 @@ class Tokenizer:
             raise ValueError(f"cannot apply the chat template: {e}") from e
         # transformers tokenizes the rendered chat without adding BOS: templates that want one write it.
         return self.encode(text)
+
+
+def _is_message(m) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
 class SentencePieceTokenizer(Tokenizer):
