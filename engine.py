@@ -86,7 +86,7 @@ class Engine:
         self.rng = random.Random(c.seed)
         self.trace: list[list[SeqStep]] = []
         self.on_step = None  # called after each step with (engine, SchedulerOutput, outputs, seconds): events.py
-        self.verified: dict[str, tuple[int, int]] = {}  # this step's drafts: request id -> (drafted, accepted)
+        self.verified = {}  # this step's drafts: request id -> (drafted, accepted)
         self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
         # Prompt tokens run through the model (cache hits excluded), generated tokens, and speculation's draft tokens
         # proposed and accepted.
@@ -230,13 +230,15 @@ class Engine:
             if j and (seq.status is Status.FINISHED or r.token_ids[j - 1] != draft[j - 1]):
                 break
             seq.num_computed_tokens += j > 0
-            error = r.errors[j]
-            outputs.append(self._fail(seq, error) if error else self._append_token(seq, token, r.logprobs[j]))
+            outputs.append(
+                self._fail(seq, r.errors[j]) if r.errors[j] else self._append_token(seq, token, r.logprobs[j])
+            )
         if draft:
-            record = settle(seq, len(outputs) - 1, self.block_manager, self.config.block_size)
-            self.verified[seq.request_id] = record
-            self.num_draft_tokens += record[0]
-            self.num_accepted_tokens += record[1]
+            drafted, accepted = self.verified[seq.request_id] = settle(
+                seq, len(outputs) - 1, self.block_manager, self.config.block_size
+            )
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += accepted
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:

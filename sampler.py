@@ -77,8 +77,10 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
     touches only the (row, token) entries listed for its row, gathered on the host into one flat index per rule."""
     vocab = logits.shape[-1]
     ban, bias, repeat, penalty = [], [], [], []  # flat indices row * vocab + token (with their values)
+    grammars = []  # (sequence, its first row): its grammar masks that row and its drafts' after it
     for r, (seq, drafted) in enumerate(rows):
         p, base = seq.params, r * vocab
+        grammars += [(seq, r)] if seq.grammar and not drafted else []
         out = seq.output_token_ids + seq.draft[:drafted]
         if len(out) < p.min_tokens:
             ban += [base + t for t in seq.stop_ids]
@@ -88,7 +90,6 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
         if p.presence_penalty or p.frequency_penalty:
             counts = np.unique(out, return_counts=True) if out else ([], [])
             penalty += [(base + t, p.frequency_penalty * c + p.presence_penalty) for t, c in zip(*counts)]
-    grammars = {id(s): s for s, _ in rows if s.grammar}  # each masks its own rows: its next token's, its drafts'
     if not (ban or bias or repeat or penalty or grammars):
         return logits.float()
     x = logits.float().clone()
@@ -104,17 +105,17 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
             at, value = zip(*pairs)
             at = to_device(list(at), torch.int64, dev)
             flat[at] = rule(flat[at], to_device(list(value), x.dtype, dev))
-    for s in grammars.values():
-        s.grammar.mask(x, [r for r, (seq, _) in enumerate(rows) if seq is s], s.draft)
+    for seq, r in grammars:
+        seq.grammar.mask(x, r, seq.draft)
     return x
 
 
 def _draw(x: torch.Tensor, params: list, u: torch.Tensor, head: int | None = None) -> torch.Tensor:
     """One token per row from softmax(x / temperature) after top-k (ties with the k-th stay), min-p, then top-p over
     the mass they leave, as vLLM: the inverse CDF at the row's u, over its kept tokens from the likeliest down. The
-    rules are looked for among the row's `head` likeliest tokens; a row they do not settle there goes again with
-    16 times the head (at last its whole vocabulary), except a row without top-p, which draws in vocabulary order instead. On a GPU the
-    whole vocabulary is sorted at once: no row asks the host which way it goes."""
+    rules are looked for among the row's `head` likeliest tokens; a row they do not settle there goes again with 16
+    times the head (at last its whole vocabulary), except a row without top-p, which draws in vocabulary order
+    instead. On a GPU the whole vocabulary is sorted at once: no row asks the host which way it goes."""
     dev, vocab = x.device, x.shape[-1]
     head = vocab if x.is_cuda else min(head or HEAD, vocab)
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]

@@ -50,12 +50,10 @@ class Grammars:
         if not isinstance(spec, dict) or len(spec) != 1 or (kind := next(iter(spec))) not in KINDS:
             raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}")
         value = {"type": "object"} if kind == "json_object" else spec[kind]
+        if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if kind in ("json", "json_object", "choice") and not isinstance(value, str):
             value = json.dumps(value)
-        if kind == "choice" and not (
-            isinstance(v := json.loads(value), list) and v and all(isinstance(s, str) for s in v)
-        ):
-            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if not isinstance(value, str) or not value:
             raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
         try:
@@ -79,18 +77,18 @@ class Matcher:
         bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool))
 
-    def mask(self, logits: torch.Tensor, rows: list[int], draft: list[int]) -> None:
-        """-inf on logits' rows (this sequence's: its next token's, then its drafts') at every token the grammar
-        forbids there. Row j is masked as if draft[:j] had been emitted; once a draft is one the grammar refuses,
-        the rows after it are left as they are (unreachable: the token before cannot equal that draft). Then the
-        matcher goes back to where it was."""
+    def mask(self, logits: torch.Tensor, row: int, draft: list[int]) -> None:
+        """-inf at every token the grammar forbids, on this sequence's rows of logits from `row` on: its next
+        token's, then its drafts'. Row row + j is masked as if draft[:j] had been emitted; once a draft is one the
+        grammar refuses, the rows after it are left as they are (unreachable: the token before cannot equal that
+        draft). Then the matcher goes back to where it was."""
         masks = []
-        for j in range(len(rows)):
+        for j in range(len(draft) + 1):
             masks.append(self.allowed())
             if j == len(draft) or not masks[-1][draft[j]] or not self.matcher.consume_token(draft[j]):
                 break
         self.matcher.rollback(len(masks) - 1)
-        reached = rows[: len(masks)]
+        reached = slice(row, row + len(masks))
         logits[reached] = logits[reached].masked_fill(~torch.stack(masks).to(logits.device), float("-inf"))
 
     def accept(self, token: int) -> bool:

@@ -10,6 +10,7 @@ import os
 
 from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
 from server.errors import ApiError
+from structured import KINDS as GRAMMARS
 from weights import HF_REPOS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -35,6 +36,11 @@ SAMPLING_FIELDS = {
     "logit_bias": "object",
     "skip_special_tokens": "boolean",
     "response_format": "object",
+    "structured_outputs": "object",  # vLLM's; and the older spellings its clients still send:
+    "guided_json": ["object", "string"],
+    "guided_regex": "string",
+    "guided_choice": "array",
+    "guided_grammar": "string",
     "cache_salt": "string",
     "user": "string",
 }  # user: the client's own end-user id, for its records; changes nothing here
@@ -226,12 +232,47 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
             logit_bias=bias,
             skip_special_tokens=get(body, "skip_special_tokens", bool, True),
             cache_salt=get(body, "cache_salt", str),
+            structured_outputs=structured_outputs(body),
         )
     except ValueError as e:  # the messages read "<field> must be ..."
         param = str(e).split()[0]
         if param == "max_tokens" and chat and body.get("max_completion_tokens") is not None:
             param = "max_completion_tokens"  # what the request named (it takes precedence)
         raise ApiError(400, str(e), param) from e
+
+
+def structured_outputs(body: dict) -> dict | None:
+    """The request's grammar, one of its spellings: OpenAI's response_format (json_object, json_schema), vLLM's
+    structured_outputs (json, json_object, regex, choice, grammar) and the older guided_json, guided_regex,
+    guided_choice and guided_grammar. Whether it compiles is the engine's to say (a 400 naming the problem)."""
+    found = []
+    fmt = get(body, "response_format", dict, {})
+    if (kind := fmt.get("type") or "text") == "json_object":
+        found.append({"json_object": True})
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise ApiError(
+                400, "response_format.json_schema must be an object with a 'schema' object", "response_format"
+            )
+        found.append({"json": spec.get("schema", {})})  # strict or not, the output follows the schema
+    elif kind != "text":
+        raise ApiError(
+            400, f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+        )
+    spec = get(body, "structured_outputs", dict, {})
+    if unknown := sorted(k for k, v in spec.items() if v is not None and k not in GRAMMARS):
+        raise ApiError(400, f"structured_outputs: unsupported key(s) {', '.join(unknown)}", "structured_outputs")
+    found += [{k: v} for k, v in spec.items() if v is not None]
+    old = {k: body.get(f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+    found += [{k: v} for k, v in old.items() if v is not None]
+    if len(found) > 1:
+        raise ApiError(
+            400,
+            "a request takes one grammar: response_format, structured_outputs or a guided_ field",
+            "structured_outputs",
+        )
+    return found[0] if found else None
 
 
 def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) -> dict | None:
@@ -285,8 +326,6 @@ def choice(
 def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
     """A generation request's n, stream, echo and whether a usage chunk ends its stream, each checked; so are
     the model it names (one of names) and the fields supported in part (response_format, echo's logprobs)."""
-    if (kind := get(body, "response_format", dict, {}).get("type") or "text") != "text":
-        raise ApiError(400, f"response_format {kind!r} is not supported, only 'text'", "response_format")
     echo = get(body, "echo", bool, False)
     if echo and body.get("logprobs") is not None:
         raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
