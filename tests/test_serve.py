@@ -1069,7 +1069,7 @@ def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
         ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
         ({"messages": CHAT, "echo": True}, "echo"),  # a completions field
         ({"prompt": "x", "suffix": "y", "best_of": 2}, "best_of"),
-        ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
         ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ]:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
