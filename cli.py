@@ -20,10 +20,14 @@ KNOWN_AS = {
 }
 
 
+# vLLM's spellings of our flags' values.
+VALUES = {("--dtype", "half"): "float16", ("--dtype", "float"): "float32"}
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        return super().parse_known_args([_dashed(a) for a in args], namespace)  # vLLM takes underscores too
+        args = [_dashed(a) for a in (sys.argv[1:] if args is None else args)]  # vLLM takes underscores too
+        return super().parse_known_args(_values(args), namespace)
 
     def error(self, message: str):
         if not message.startswith("unrecognized arguments: "):  # a flag's value: one line says what is wrong
@@ -42,6 +46,15 @@ def _closest(name: str, flags: list[str]) -> str | None:
     if KNOWN_AS.get(name) in flags:
         return KNOWN_AS[name]
     return next(iter(difflib.get_close_matches(name, flags, 1, 0.7)), None)
+
+
+def _values(args: list[str]) -> list[str]:
+    """'--dtype half' and '--dtype=half' -> float16: vLLM's spellings of our flags' values."""
+    out = []
+    for before, arg in zip(["", *args], args):
+        flag, eq, value = arg.partition("=")
+        out.append(flag + eq + VALUES.get((flag, value), value) if eq else VALUES.get((before, arg), arg))
+    return out
 
 
 def _dashed(arg: str) -> str:

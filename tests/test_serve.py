@@ -105,7 +105,9 @@ def test_health_models_and_metrics(server):
     assert server.while_loading == [503, 503, 503]
     assert request(server, "GET", "/health")[0] == 200
     status, body = request(server, "GET", "/v1/models")
-    assert status == 200 and json.loads(body)["data"][0]["id"] == "smollm2-135m"
+    assert (
+        status == 200 and json.loads(body)["data"][0]["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )  # vLLM's first: the HF id
     text = request(server, "GET", "/metrics")[1].decode()
     for name in [
         "num_requests_running",
@@ -121,9 +123,11 @@ def test_health_models_and_metrics(server):
     assert '\nvllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="512"} 1\n' in text
     for name in ["time_to_first_token_seconds", "inter_token_latency_seconds"]:
         assert f"# TYPE vllm:{name} histogram" in text
-        assert f'vllm:{name}_bucket{{model_name="smollm2-135m",le="+Inf"}}' in text
+        assert f'vllm:{name}_bucket{{model_name="HuggingFaceTB/SmolLM2-135M-Instruct",le="+Inf"}}' in text
     for name, top in [("time_to_first_token_seconds", 2560.0), ("e2e_request_latency_seconds", 7680.0)]:
-        assert f'vllm:{name}_bucket{{model_name="smollm2-135m",le="{top}"}}' in text  # vLLM's bounds
+        assert (
+            f'vllm:{name}_bucket{{model_name="HuggingFaceTB/SmolLM2-135M-Instruct",le="{top}"}}' in text
+        )  # vLLM's bounds
 
 
 def test_a_connection_numbered_past_1024_is_served(server):
@@ -224,6 +228,25 @@ def test_chat(server, client):
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
     assert all(c.usage is None for c in chunks[:-1])
 
+    # vLLM's continuous_usage_stats (guidellm always sends it): every chunk carries the usage so far; a false or null
+    # key changes nothing.
+    kwargs = dict(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0, stream=True)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    counted = list(client.chat.completions.create(**kwargs, stream_options=options))
+    made = [c.usage.completion_tokens for c in counted]
+    assert made == sorted(made) and made[-1] == r.usage.completion_tokens and made[0] == 1  # with the first token
+    assert all(c.usage.prompt_tokens == r.usage.prompt_tokens for c in counted)
+    assert [c.model_dump(exclude={"usage", "created", "id"}) for c in counted[:-1]] == [
+        c.model_dump(exclude={"usage", "created", "id"}) for c in chunks[:-1]
+    ]
+    for off in (False, None):
+        quiet = list(
+            client.chat.completions.create(
+                **kwargs, stream_options={"include_usage": True, "continuous_usage_stats": off}
+            )
+        )
+        assert all(c.usage is None for c in quiet[:-1])
+
 
 def test_chat_content_parts_and_roles(client):
     parts = [
@@ -232,7 +255,7 @@ def test_chat_content_parts_and_roles(client):
     ]
     alias = os.path.basename(weights.resolve_checkpoint())  # the checkpoint's file name names the model too
     r = client.chat.completions.create(model=alias, messages=parts, max_completion_tokens=3)
-    assert r.usage.completion_tokens <= 3 and r.model == "smollm2-135m"
+    assert r.usage.completion_tokens <= 3 and r.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_completions(server, client):
@@ -747,6 +770,38 @@ def test_cli_takes_vllms_underscore_spellings():
     ) == (8, ["my_model", "x"], False, 2.5, "a_b.jinja")  # values keep their underscores
 
 
+def test_cli_takes_vllms_habits(capsys, monkeypatch):
+    """`serve.py MODEL` as `vllm serve MODEL`, --dtype half and float, --trust-remote-code (a no-op, said so),
+    --disable-log-stats, and the presets listed in --help; a model given twice, differently, is refused."""
+    import serve
+
+    p = serve._parser()
+    args = p.parse_args(["HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "half", "--disable-log-stats"])
+    assert (args.model_tag, args.dtype, args.disable_log_stats) == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "float16",
+        True,
+    )
+    assert p.parse_args(["--dtype=half"]).dtype == "float16" and p.parse_args(["--dtype", "float"]).dtype == "float32"
+    assert p.parse_args(["--served-model-name", "half"]).served_model_name == ["half"]  # only --dtype's values
+    with pytest.raises(SystemExit):
+        p.parse_args(["--help"])
+    assert "presets for --model: smollm2-135m, llama3-8b" in capsys.readouterr().out.replace("\n", " ")
+    monkeypatch.setattr(serve, "Server", lambda config, *a, **k: (_ for _ in ()).throw(RuntimeError(config.model)))
+    with pytest.raises(RuntimeError, match="HuggingFaceTB/SmolLM2-135M-Instruct"):
+        serve.main(["HuggingFaceTB/SmolLM2-135M-Instruct", "--trust-remote-code"])
+    assert "--trust-remote-code changes nothing" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        serve.main(["llama3-8b", "--model", "qwen3-0.6b"])
+    assert e.value.code == 2 and "the model is given twice" in capsys.readouterr().err
+
+
+def test_a_preset_is_found_by_its_hugging_face_id():
+    import weights
+
+    assert weights.resolve_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct") == weights.resolve_checkpoint()
+
+
 @pytest.mark.slow
 def test_cli_serves_and_stops_on_sigterm():
     p = subprocess.Popen(
@@ -914,10 +969,10 @@ def test_the_model_answers_to_its_preset_name_and_hugging_face_id(server, client
     404 lists the names served, which /v1/models lists too, the one replies carry first."""
     hf = "HuggingFaceTB/SmolLM2-135M-Instruct"
     names = [m["id"] for m in json.loads(request(server, "GET", "/v1/models")[1])["data"]]
-    assert names == ["smollm2-135m", hf, os.path.basename(server.engine.checkpoint_path)], names
+    assert names == [hf, "smollm2-135m", os.path.basename(server.engine.checkpoint_path)], names
     for name in names:
         r = client.completions.create(model=name, prompt="Hi", max_tokens=1)
-        assert r.model == "smollm2-135m"
+        assert r.model == hf
     for path, body in [
         ("/v1/chat/completions", {"model": "smollm2-135", "messages": CHAT, "max_tokens": 1}),
         ("/v1/completions", {"model": "SmolLM2-135M", "prompt": "Hi", "max_tokens": 1}),
@@ -931,7 +986,7 @@ def test_the_model_answers_to_its_preset_name_and_hugging_face_id(server, client
 @pytest.mark.parametrize(
     "model, checkpoint, served, names",
     [
-        ("smollm2-135m", None, None, ["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct"]),
+        ("smollm2-135m", None, None, ["HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"]),
         (
             "HuggingFaceTB/SmolLM2-135M-Instruct",
             "/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc",
@@ -943,8 +998,8 @@ def test_the_model_answers_to_its_preset_name_and_hugging_face_id(server, client
             "/m/Llama-3.1-8B-Instruct-Q4_K_M.gguf",
             None,
             [
-                "llama3.1-8b",
                 "meta-llama/Llama-3.1-8B-Instruct",
+                "llama3.1-8b",
                 "meta-llama/Meta-Llama-3.1-8B-Instruct",
                 "Llama-3.1-8B-Instruct-Q4_K_M.gguf",
             ],
