@@ -95,6 +95,16 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
         return action.help if shown else super()._get_help_string(action)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object")
+    return value
+
+
 def _number(kind: type, zero_ok: bool = False, most: float = math.inf):
     """An argparse type: a positive int or float (or zero, with zero_ok), at most `most`."""
 
@@ -148,6 +158,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_number(float, zero_ok=True, most=2),
         default=0.0,  # the API's range: more gets HTTP 400
         help="sampling temperature (0: greedy, as vLLM's bench)",
+    )
+    a(
+        "--structured-outputs",
+        type=_json_object,
+        metavar="JSON",
+        help='vLLM\'s structured_outputs sent with every sweep request, such as \'{"regex": "[a-z ,.]+"}\': '
+        "what a grammar costs (the server must take the field)",
     )
     a(
         "--top-p",
@@ -406,6 +423,7 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
         "stream_options": {"include_usage": True},
         "ignore_eos": req.ignore_eos,
         **({"top_p": args.top_p} if args.top_p is not None else {}),
+        **({"structured_outputs": args.structured_outputs} if args.structured_outputs else {}),
     }
     try:
         async with asyncio.timeout(args.request_timeout):

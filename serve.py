@@ -509,6 +509,15 @@ def main(argv: list[str] | None = None) -> int:
         kv_tokens, dtype = bm.num_blocks * bm.block_size, str(e.dtype).removeprefix("torch.")
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         whole = bm.num_blocks // -(-e.max_model_len // bm.block_size)  # requests of max_model_len tokens it holds
+        if whole == 0:  # as vLLM: a server that cannot serve one full request does not start
+            server.stop()
+            print(
+                f"serve.py: error: the KV pool holds {kv_tokens} tokens, less than one request of the full "
+                f"{e.max_model_len}-token context: lower --max-model-len (to {kv_tokens} at most), or give the KV "
+                "cache more memory (--kv-cache-memory on CPU, --gpu-memory-utilization on GPU, --num-kv-blocks)",
+                file=sys.stderr,
+            )
+            return 1
         print(
             f"laneserve: {server.model_names[0]} on {e.device} {dtype}, KV {bm.num_blocks} blocks = {kv_tokens} "
             f"tokens ({kv_dtype}): room for {whole} request{'s' * (whole != 1)} of the full "

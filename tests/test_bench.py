@@ -308,6 +308,7 @@ class Stub(BaseHTTPRequestHandler):
     short, delay, refuse, odd = 0, 0.0, 0, None
     counter = itertools.count(1)  # numbers the streams served
     ignore_eos: list[bool] = []  # each completion request's, in order (one list for every stub)
+    bodies: list[dict] = []  # each completion request's body, in order
     scrapes = itertools.count()
 
     def log_message(self, *args):
@@ -330,6 +331,7 @@ class Stub(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert body["stream"] and body["stream_options"]["include_usage"]
         self.ignore_eos.append(body["ignore_eos"])
+        self.bodies.append(body)
         if self.refuse:
             return self._json({"error": {"message": "no such luck", "type": "invalid_request_error"}}, self.refuse)
         n = body["max_tokens"] - self.short
@@ -471,6 +473,35 @@ def test_the_repeat_workloads_replies_end_where_the_model_ends_them(stub, tmp_pa
         capsys,
     )
     assert rc == 1 and "asked for 5 tokens at most, but the server's usage says 6" in err
+
+
+def test_sampling_and_grammar_fields_are_sent_as_given(stub, tmp_path, capsys):
+    """--top-p and --structured-outputs go into every request as given; left out, neither is sent (the server's
+    defaults hold); a --structured-outputs that is no JSON object is a one-line error."""
+    grammar = {"regex": "[a-z ]+"}
+    for extra, sent in [([], {}), (["--top-p", "0.9", "--structured-outputs", json.dumps(grammar)], {"top_p": 0.9})]:
+        Stub.bodies.clear()
+        base = [
+            "--base-url",
+            stub(),
+            "--max-tokens",
+            "3",
+            "--concurrency",
+            "1",
+            "--warmup",
+            "0",
+            "--temperature",
+            "0.8",
+        ]
+        rc, _, _, err = run([*base, *extra], tmp_path, capsys)
+        assert rc == 0, err
+        for body in Stub.bodies:
+            assert body.get("top_p") == sent.get("top_p") and body.get("structured_outputs") == (
+                grammar if extra else None
+            )
+    with pytest.raises(SystemExit) as e:
+        main(["--structured-outputs", "[1]"])
+    assert e.value.code == 2 and "--structured-outputs: a JSON object" in capsys.readouterr().err
 
 
 def test_an_error_status_is_reported_with_the_servers_message(stub, tmp_path, capsys):

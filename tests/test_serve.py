@@ -803,6 +803,17 @@ def test_a_preset_is_found_by_its_hugging_face_id():
 
 
 @pytest.mark.slow
+def test_cli_refuses_a_pool_that_cannot_hold_one_full_request():
+    """As vLLM: a KV pool smaller than one max_model_len request is an error at start, naming what to lower."""
+    args = ["--dummy-weights", "--port", "0", "--num-kv-blocks", "4", "--max-model-len", "128"]
+    r = subprocess.run(
+        [sys.executable, "serve.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "holds 64 tokens, less than one request of the full 128-token context: lower --max-model-len" in r.stderr
+
+
+@pytest.mark.slow
 def test_cli_serves_and_stops_on_sigterm():
     p = subprocess.Popen(
         [
