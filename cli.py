@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import sys
 
 # Other servers' names for our flags (llama.cpp server, TGI), which a close spelling would not find.
@@ -63,3 +64,19 @@ def _dashed(arg: str) -> str:
         return arg
     name, eq, value = arg.partition("=")
     return name.replace("_", "-") + eq + value
+
+
+def speculative_config(text: str) -> dict:
+    """vLLM's JSON form of the speculation knobs: '{"method": "ngram", "num_speculative_tokens": 8,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}'"""  # the --speculative-config flag's help; as EngineConfig fields
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    if not isinstance(spec, dict) or spec.get("method") not in ("ngram", None) or not set(spec) <= known:
+        raise argparse.ArgumentTypeError(
+            f'a JSON object with "method": "ngram" and any of {", ".join(sorted(known - {"method"}))}'
+        )
+    spec.pop("method", None)
+    return spec

@@ -7,8 +7,8 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
+from cli import speculative_config
 from sequence import require, typed
-from speculation import speculative_config
 
 DEFAULT_MODEL = "smollm2-135m"
 

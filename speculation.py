@@ -8,9 +8,6 @@ kernel does not pad), so a lane drafts as much as its drafts get accepted."""
 
 from __future__ import annotations
 
-import argparse
-import json
-
 from kv_cache import BlockManager
 from sequence import Sequence
 
@@ -93,19 +90,3 @@ def settle(seq: Sequence, accepted: int, blocks: BlockManager, block_size: int) 
     blocks.free(seq.block_table[keep:])
     del seq.block_table[keep:]
     return drafted, accepted
-
-
-def speculative_config(text: str) -> dict:
-    """vLLM's JSON form of the speculation knobs: '{"method": "ngram", "num_speculative_tokens": 8,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}'"""  # the --speculative-config flag's help; as EngineConfig fields
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-    if not isinstance(spec, dict) or spec.get("method") not in ("ngram", None) or not set(spec) <= known:
-        raise argparse.ArgumentTypeError(
-            f'a JSON object with "method": "ngram" and any of {", ".join(sorted(known - {"method"}))}'
-        )
-    spec.pop("method", None)
-    return spec

@@ -12,8 +12,8 @@ name, unroll, load = spec.split(":")
 os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", out), f"variant_{name}")
 import attention_cuda.kernel  # noqa: E402
 
-attention_cuda.kernel._NVCC_FLAGS += [f"-DLANESERVE_UNROLL={unroll}", f"-DLANESERVE_CODE_LOAD={load}"]
-attention_cuda.kernel._kernels()
+attention_cuda.kernel.NVCC_FLAGS += [f"-DLANESERVE_UNROLL={unroll}", f"-DLANESERVE_CODE_LOAD={load}"]
+attention_cuda.kernel.kernels()
 print(f"variant {name} (UNROLL {unroll}, CODE_LOAD {load}): built", flush=True)
 if what == "bench":
     from benchmarks import bench_kernel

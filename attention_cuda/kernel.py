@@ -6,13 +6,13 @@ import os
 
 import torch
 
-_SOURCES = ["binding.cpp", "paged_attention.cu"]
-_CXX_FLAGS = ["-O3"]  # torch adds the C++ standard it needs (C++20 for torch 2.13)
-_NVCC_FLAGS = ["-O3", "-lineinfo"]
+SOURCES = ["binding.cpp", "paged_attention.cu"]
+CXX_FLAGS = ["-O3"]  # torch adds the C++ standard it needs (C++20 for torch 2.13)
+NVCC_FLAGS = ["-O3", "-lineinfo"]
 _ext = None
 
 
-def _kernels():
+def kernels():
     """The compiled kernels, as torch.ops.laneserve: setup.py's prebuilt library if there is one, else built on
     first use with ninja into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) for
     the GPUs present (or TORCH_CUDA_ARCH_LIST), and reused until the sources or flags change."""
@@ -28,9 +28,9 @@ def _kernels():
 
                 load(
                     "laneserve_attention",
-                    [os.path.join(here, s) for s in _SOURCES],
-                    extra_cflags=_CXX_FLAGS,
-                    extra_cuda_cflags=_NVCC_FLAGS,
+                    [os.path.join(here, s) for s in SOURCES],
+                    extra_cflags=CXX_FLAGS,
+                    extra_cuda_cflags=NVCC_FLAGS,
                     is_python_module=False,
                 )
             _ext = torch.ops.laneserve
@@ -69,7 +69,7 @@ def cuda_paged_attention(
         shaped = block_tables.dim() == 2 and k_cache.dim() == 4
         max_context_len = block_tables.shape[1] * k_cache.shape[1] if shaped else 0
     with torch.cuda.device(query.device if query.is_cuda else -1):
-        return _kernels().paged_attention(
+        return kernels().paged_attention(
             query,
             k_cache,
             v_cache,
@@ -96,20 +96,20 @@ def cuda_store_kv(
     """store_kv on CUDA tensors, by the kernel (slot_mapping int64, -1 skipped). Current stream. With scales (an
     8-bit cache), quantized: codes and scales bit for bit quantize_kv's."""
     with torch.cuda.device(key.device if key.is_cuda else -1):
-        _kernels().store_kv(
+        kernels().store_kv(
             key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, torch.cuda.current_stream().cuda_stream
         )
 
 
 def cuda_extension():
     """For setup.py: the kernels as a CUDAExtension `attention_cuda._C` (paths relative to the
-    repository root), which _kernels() then loads instead of building; None without nvcc."""
+    repository root), which kernels() then loads instead of building; None without nvcc."""
     from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
 
     if CUDA_HOME is None:
         return None
     return CUDAExtension(
         "attention_cuda._C",
-        [os.path.join("attention_cuda", s) for s in _SOURCES],
-        extra_compile_args={"cxx": _CXX_FLAGS, "nvcc": _NVCC_FLAGS},
+        [os.path.join("attention_cuda", s) for s in SOURCES],
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
     )
