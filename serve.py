@@ -258,6 +258,9 @@ class Handler(RequestHandler):
             ([None], [openai_api.chat_prompt(body, engine)]) if chat else openai_api.completion_prompts(body, engine)
         )
         echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in sent]
+        # Tool calls: the reply's text is parsed when finished; while streamed, text that may be a call is held back.
+        calling = openai_api.tool_choice(body) if chat else None
+        names = [t["function"]["name"] for t in openai_api.tools(body) or []] if chat else []
         job = Submit(
             [
                 (uuid.uuid4().hex, ids, openai_api.sampling_params(body, chat, len(ids), engine, i))
@@ -269,6 +272,7 @@ class Handler(RequestHandler):
         index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}
         outputs: list[list[RequestOutput]] = [[] for _ in index]
         offsets = [0] * len(index)  # where each choice's next token's text starts (completions' text_offset)
+        shown, held = [0] * len(index), [[] for _ in index]  # per choice: text streamed, logprobs not yet streamed
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),
@@ -316,8 +320,14 @@ class Handler(RequestHandler):
                     )
                 if stream and echo and first:
                     self._event(chunk([openai_api.choice(engine, chat, True, i, echoed[i // n], [], None)]))
+                lps = held[i] = held[i] + lps
+                if stream and not out.finished and openai_api.maybe_call(out.text, calling):
+                    continue  # held back, text and logprobs, until it is a call or turns out to be text
                 if stream and (out.delta or lps or out.finished):
-                    choice = openai_api.choice(engine, chat, True, i, out.delta, lps, out, offsets[i])
+                    calls = openai_api.parse_calls(out.text, calling, names) if out.finished else []
+                    text = out.text[shown[i] :] if calling else out.delta
+                    choice = openai_api.choice(engine, chat, True, i, text, lps, out, offsets[i], calls)
+                    shown[i], held[i] = len(out.text), []
                     self._event(chunk([choice]))
                     if not chat and lps:  # the tokens' own texts, as the whole reply counts them, not the
                         offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))  # text let out (stop strings)
@@ -342,6 +352,7 @@ class Handler(RequestHandler):
                                 echoed[i // n] + o[-1].text,
                                 [x.logprob for x in o if x.logprob is not None],
                                 o[-1],
+                                calls=openai_api.parse_calls(o[-1].text, calling, names),
                             )
                             for i, o in enumerate(outputs)
                         ],

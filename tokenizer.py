@@ -194,7 +194,9 @@ class Tokenizer:
         tok.chat_template = template
         return tok
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         if not (isinstance(messages, list) and messages and all(map(_is_message, messages))):
             raise ValueError("a conversation is a non-empty list of {'role': str, 'content': str} messages")
         names = {"bos_token": self.bos_id, "eos_token": self.eos_id}
@@ -202,7 +204,7 @@ class Tokenizer:
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
         try:
             text = self._template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **tokens
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **tokens
             )
         except Exception as e:  # the template refuses the conversation (raise_exception), or breaks on it
             raise ValueError(f"cannot apply the chat template: {e}") from e

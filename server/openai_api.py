@@ -7,6 +7,8 @@ import itertools
 import json
 import math
 import os
+import re
+import uuid
 
 from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
 from server.errors import ApiError
@@ -50,6 +52,9 @@ FIELDS = {
         "max_completion_tokens": "integer",
         "logprobs": "boolean",
         "top_logprobs": "integer",
+        "tools": "array",
+        "tool_choice": ["string", "object"],
+        "parallel_tool_calls": "boolean",  # one call a reply at most, here
         **SAMPLING_FIELDS,
     },
     "/v1/completions": {"prompt": ["string", "array"], "logprobs": "integer", "echo": "boolean", **SAMPLING_FIELDS},
@@ -133,11 +138,142 @@ def chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True) 
         elif content is not None and not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or an array of parts", "messages")
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""})
+        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
+        if isinstance(m.get("tool_call_id"), str):  # a tool's result, for the call of that id
+            message["tool_call_id"] = m["tool_call_id"]
+        if m.get("tool_calls") is not None:  # an earlier turn's calls, arguments as objects (as templates read them)
+            message["tool_calls"] = _calls_for_template(m["tool_calls"], i)
+        clean.append(message)
     try:
-        return engine.tokenizer.apply_chat_template(clean, add_generation_prompt)
+        return engine.tokenizer.apply_chat_template(clean, add_generation_prompt, tools(body))
     except ValueError as e:  # the checkpoint's template refuses the conversation (say, roles out of order)
         raise ApiError(400, str(e), "messages") from e
+
+
+def _calls_for_template(calls, i: int) -> list[dict]:
+    def ok(c) -> bool:
+        f = c.get("function") if isinstance(c, dict) else None
+        return isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments", "{}"), str)
+
+    if not isinstance(calls, list) or not all(map(ok, calls)):
+        raise ApiError(400, f"messages[{i}].tool_calls must be OpenAI's function calls", "messages")
+    out = []
+    for c in calls:
+        try:
+            arguments = json.loads(c["function"].get("arguments", "{}"))
+        except ValueError:
+            raise ApiError(400, f"messages[{i}].tool_calls: arguments must be a JSON string", "messages") from None
+        out.append({**c, "function": {"name": c["function"]["name"], "arguments": arguments}})
+    return out
+
+
+def tools(body: dict) -> list[dict] | None:
+    """The request's tools, checked: OpenAI's function tools, each named once, with a JSON schema's parameters."""
+    given = get(body, "tools", list)
+    if given is None:
+        return None
+    names = []
+    for t in given:
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]):
+            raise ApiError(400, "tools: each must be {'type': 'function', 'function': {'name': ...}}", "tools")
+        if not isinstance(f.get("parameters", {}), dict):
+            raise ApiError(400, f"tool {f['name']!r}: 'parameters' must be a JSON schema object", "tools")
+        names.append(f["name"])
+    if len(set(names)) < len(names):
+        raise ApiError(400, "tools: a function name appears twice", "tools")
+    return given
+
+
+def tool_choice(body: dict) -> str | dict | None:
+    """None (no tools, or tool_choice "none"), "auto" (the model's own call format, parsed), or the grammar that
+    holds the reply to a call: {"name": ..., "parameters": schema} for a named tool, or "required": one of them."""
+    given, choice = tools(body), body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if given else "none"
+    if choice == "none":
+        return None
+    if not given:
+        raise ApiError(400, "'tool_choice' needs 'tools'", "tool_choice")
+    functions = {t["function"]["name"]: t["function"] for t in given}
+    if choice in ("auto", "required"):
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name not in functions:
+        raise ApiError(
+            400,
+            f"'tool_choice' must be none, auto, required or one of the tools: {', '.join(functions)}",
+            "tool_choice",
+        )
+    return {"name": name, "parameters": functions[name].get("parameters", {"type": "object"})}
+
+
+def call_grammar(body: dict) -> dict | None:
+    """The structured_outputs a named or required tool_choice holds the reply to."""
+    choice = tool_choice(body)
+    if isinstance(choice, dict):
+        return {"json": choice["parameters"]}  # the reply is the call's arguments
+    if choice == "required":
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "arguments": t["function"].get("parameters", {"type": "object"}),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in tools(body)
+        ]
+        return {"json": {"anyOf": calls}}
+    return None
+
+
+# The families' own call formats, for tool_choice "auto": Hermes' <tool_call>{...}</tool_call> (Qwen3), and a
+# reply that is one JSON object with a name and parameters (Llama 3.1 and 3.2, after an optional <|python_tag|>).
+HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def parse_calls(text: str, choice, names: list[str]) -> list[dict]:
+    """The tool calls in a finished reply (OpenAI's shape, each with a fresh id), or [] if it is plain text (or a
+    call cut short by max_tokens, which stays text)."""
+    if choice is None:
+        return []
+    if isinstance(choice, dict):
+        found = [{"name": choice["name"], "arguments": _loads(text)}]
+    elif choice == "required":
+        found = [_loads(text)]
+    else:
+        found = [_loads(m) for m in HERMES.findall(text)]
+        if not found and text.strip().removeprefix("<|python_tag|>").lstrip().startswith("{"):
+            found = [_loads(text.strip().removeprefix("<|python_tag|>"))]
+    found = [
+        (c["name"], c.get("arguments", c.get("parameters")))
+        for c in found
+        if isinstance(c, dict) and c.get("name") in names and isinstance(c.get("arguments", c.get("parameters")), dict)
+    ]
+    return [
+        {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        for n, a in found
+    ]
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def maybe_call(text: str, choice) -> bool:
+    """Whether a streamed reply's text so far may still turn out to be a tool call (held back until it is known)."""
+    if choice is None:
+        return False
+    if choice != "auto":
+        return True
+    head = text.lstrip()
+    return any(m.startswith(head[: len(m)]) for m in ("<tool_call>", "<|python_tag|>", "{"))
 
 
 def completion_prompts(body: dict, engine: Engine) -> tuple[list[str | list[int]], list[list[int]]]:
@@ -267,10 +403,11 @@ def structured_outputs(body: dict) -> dict | None:
     found += [{k: v} for k, v in spec.items() if v is not None]
     old = {k: body.get(f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
     found += [{k: v} for k, v in old.items() if v is not None]
+    found += [call] if (call := call_grammar(body)) else []  # a named or required tool_choice
     if len(found) > 1:
         raise ApiError(
             400,
-            "a request takes one grammar: response_format, structured_outputs or a guided_ field",
+            "a request takes one grammar: response_format, structured_outputs, a guided_ field or a tool_choice",
             "structured_outputs",
         )
     return found[0] if found else None
@@ -307,11 +444,16 @@ def choice(
     lps: list[TokenLogprob],
     last: RequestOutput | None,
     offset: int = 0,
+    calls: list[dict] | None = None,
 ) -> dict:
     """One choice of a reply or of a stream's chunk; `last` is the engine output it reports the reasons of
-    (None for a chunk of no output, such as an echo)."""
+    (None for a chunk of no output, such as an echo). With tool calls (parse_calls), they are the reply."""
     if not chat:
         choice = {"index": i, "text": text}
+    elif calls:
+        tool_calls = [{"index": k, **c} for k, c in enumerate(calls)] if stream else calls
+        choice = {"index": i, **({"delta": {"tool_calls": tool_calls}} if stream else {})}
+        choice |= {} if stream else {"message": {"role": "assistant", "content": None, "tool_calls": tool_calls}}
     elif stream:
         choice = {"index": i, "delta": {"content": text} if text else {}}
     else:
@@ -319,7 +461,7 @@ def choice(
     return {
         **choice,
         "logprobs": _logprobs(engine, chat, lps, offset),
-        "finish_reason": last and last.finish_reason,
+        "finish_reason": "tool_calls" if calls else last and last.finish_reason,
         "stop_reason": last and last.stop_reason,
     }
 

@@ -22,9 +22,10 @@ def refusal(main, argv: list[str], capsys) -> list[str]:
     [(serve.main, "serve.py"), (bench.main, "bench.py"), (lambda argv: bench_ab.main([".", *argv]), "bench_ab.py")],
 )
 def test_an_unknown_flag_gets_usage_did_you_mean_and_help(main, prog, capsys):
-    *usage, error = refusal(main, ["--max-batch-size", "8"], capsys)  # llama.cpp's and TGI's name
+    # llama.cpp's and TGI's name (with its value attached: serve.py takes a lone word as its MODEL, as vLLM does)
+    *usage, error = refusal(main, ["--max-batch-size=8"], capsys)
     assert usage[0].startswith(f"usage: {prog} ") and error == (
-        f"{prog}: error: unrecognized arguments: --max-batch-size 8 (did you mean --max-num-seqs?); see {prog} --help"
+        f"{prog}: error: unrecognized arguments: --max-batch-size=8 (did you mean --max-num-seqs?); see {prog} --help"
     )
     *_, error = refusal(main, ["--max-nun-seqs=4", "--num_kv_blcks", "9"], capsys)  # misspelt, one with underscores
     assert "(did you mean --max-num-seqs and --num-kv-blocks?)" in error, error

@@ -474,7 +474,7 @@ VALID = {"model": "smollm2-135m", "messages": CHAT, "max_tokens": 2}
         ({**VALID, "user": 5}, 400, "user"),
         ({**VALID, "stream_options": {"include_usage": True}}, 400, "stream_options"),  # not streamed
         ({**VALID, "stream": True, "stream_options": "x"}, 400, "stream_options"),
-        ({**VALID, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400, "stream_options"),
+        ({**VALID, "stream": True, "stream_options": {"include_usage": True, "usage_every": 2}}, 400, "stream_options"),
         ({**VALID, "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
         ({**VALID, "logit_bias": {"49152": 1}}, 400, "logit_bias"),  # past the vocabulary
         ({**VALID, "stop_token_ids": [49152]}, 400, "stop_token_ids"),

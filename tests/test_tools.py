@@ -1,0 +1,199 @@
+"""Tool calling: tools through the chat template, tool_choice none, auto (the model's own call format, parsed),
+required and a named function (the reply held to a call with valid arguments by the grammar), OpenAI's tool_calls
+in replies and stream deltas, and the next turn's tool messages back through the template."""
+
+import json
+
+import openai
+import pytest
+
+from config import EngineConfig
+from conftest import serving
+from server import openai_api
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(EngineConfig(num_kv_blocks=512, max_num_seqs=8, device="cpu", dtype="float32")) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def check_weather_call(call) -> dict:
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "days"} and isinstance(arguments["days"], int), arguments
+    return arguments
+
+
+def test_a_named_tool_choice_answers_with_a_call_of_valid_arguments(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=ASK, tools=[WEATHER, TIME], tool_choice=named, temperature=0, max_tokens=40
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    arguments = check_weather_call(call)
+    # Streamed: the same call, in one tool_calls delta, then the finish.
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=named,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+        )
+    )
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_weather"] and json.loads(
+        deltas[0].function.arguments
+    ) == arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+
+
+def test_required_calls_one_of_the_tools(client):
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        temperature=0.7,
+        seed=1,
+        max_tokens=60,
+    )
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "get_time")
+    if call.function.name == "get_weather":
+        check_weather_call(call)
+
+
+def test_auto_and_none_answer_in_text_where_the_model_has_no_call_format(client):
+    """SmolLM2 has no tool-call format of its own: auto answers in text, as none does."""
+    for choice in ("auto", "none"):
+        r = client.chat.completions.create(
+            model="smollm2-135m", messages=ASK, tools=[WEATHER], tool_choice=choice, temperature=0, max_tokens=12
+        )
+        assert r.choices[0].message.content and not r.choices[0].message.tool_calls, choice
+
+
+def test_the_next_turn_goes_back_through_the_template(client):
+    """The assistant's call and the tool's result are a conversation the template renders, and the reply goes on."""
+    turn = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny"}'},
+    ]
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=turn, tools=[WEATHER], temperature=0, max_tokens=8
+    )
+    assert r.choices[0].message.content
+
+
+def test_tools_and_calls_reach_the_template(tiny):
+    """A template that reads tools and an earlier call's arguments (as objects, as Hugging Face templates take them)."""
+    from engine import LLM
+
+    llm = LLM(model=tiny, dummy_weights=True, device="cpu", num_kv_blocks=16)
+    llm.tokenizer = llm.tokenizer.with_chat_template(
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}"
+        "{% endfor %}"
+    )
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "rain"},
+        ],
+        "tools": [WEATHER, TIME],
+    }
+    text = llm.tokenizer.decode(openai_api.chat_prompt(body, llm, add_generation_prompt=False))
+    assert text == "[get_weather][get_time]user:hiassistant:<get_weather Oslo>tool:rain"
+
+
+def test_the_families_call_formats_are_parsed():
+    names = ["get_weather", "get_time"]
+    hermes = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    )
+    llama = '<|python_tag|>{"name": "get_time", "parameters": {}}'
+    for text, expected in [
+        (hermes, [("get_weather", {"city": "Paris", "days": 3})]),
+        (llama, [("get_time", {})]),
+        ('{"name": "get_time", "parameters": {}}', [("get_time", {})]),
+        ('{"name": "rm_rf", "arguments": {}}', []),  # not a tool of the request: text
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', []),  # cut short: text
+        ("The weather is fine.", []),
+    ]:
+        calls = openai_api.parse_calls(text, "auto", names)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected, text
+    named = {"name": "get_weather", "parameters": {}}
+    assert openai_api.parse_calls('{"city": "Oslo", "days": 1}', named, names)[0]["function"]["name"] == "get_weather"
+    assert openai_api.parse_calls('{"city": "Os', named, names) == []
+    assert openai_api.parse_calls(hermes, None, names) == []
+    assert openai_api.maybe_call("<tool", "auto") and openai_api.maybe_call(' {"na', "auto")
+    assert not openai_api.maybe_call("The weather", "auto") and not openai_api.maybe_call("<tool", None)
+
+
+def test_bad_tools_and_choices_are_400s(client):
+    for kwargs, words in [
+        (dict(tools=[{"type": "function"}]), "tools: each must be"),
+        (dict(tools=[WEATHER, WEATHER]), "appears twice"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "one of the tools"),
+        (dict(tool_choice="required"), "needs 'tools'"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "one grammar"),
+        (
+            dict(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "x", "arguments": "{"}}],
+                    }
+                ]
+            ),
+            "arguments must be a JSON string",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.chat.completions.create(**{"model": "smollm2-135m", "messages": ASK, "max_tokens": 4, **kwargs})
