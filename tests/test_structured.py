@@ -36,6 +36,7 @@ def constrained(spec: dict, **knobs) -> SamplingParams:
     return SamplingParams(**{"temperature": 0, "max_tokens": 48, "structured_outputs": spec, **knobs})
 
 
+@pytest.mark.slow
 def test_each_kind_holds_its_output_to_its_grammar(smol):
     specs = [
         {"json": PERSON},
@@ -84,6 +85,7 @@ def run(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> dict[str,
     return got
 
 
+@pytest.mark.slow
 def test_constrained_lanes_alone_equal_lanes_among_unconstrained(smol):
     """Four constrained requests (greedy and seeded) among 24 unconstrained ones: each is its lone run, bit for bit."""
     rng = random.Random(56)
@@ -105,6 +107,7 @@ def test_constrained_lanes_alone_equal_lanes_among_unconstrained(smol):
             assert run(smol, [request])["0"] == together[str(i)], i
 
 
+@pytest.mark.slow
 def test_a_grammar_with_speculation_is_the_grammar_without():
     """n-gram drafts are checked against the grammar (a refused draft's rows are never reached) and the matcher
     rolls back what it took on for them: the same tokens with speculation on as off."""
@@ -125,6 +128,7 @@ def client():
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+@pytest.mark.slow
 def test_every_spelling_over_http(client):
     chat = dict(model="smollm2-135m", messages=QUESTION, temperature=0, max_tokens=40)
     schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
@@ -150,6 +154,7 @@ def test_every_spelling_over_http(client):
         assert check(text.choices[0].text), (extra, text.choices[0].text)
 
 
+@pytest.mark.slow
 def test_the_openai_clients_parse_with_a_pydantic_model(client):
     class Person(pydantic.BaseModel):
         name: str

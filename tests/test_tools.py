@@ -41,6 +41,7 @@ def check_weather_call(call) -> dict:
     return arguments
 
 
+@pytest.mark.slow
 def test_a_named_tool_choice_answers_with_a_call_of_valid_arguments(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = client.chat.completions.create(
@@ -70,6 +71,7 @@ def test_a_named_tool_choice_answers_with_a_call_of_valid_arguments(client):
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+@pytest.mark.slow
 def test_required_calls_one_of_the_tools(client):
     r = client.chat.completions.create(
         model="smollm2-135m",
@@ -86,6 +88,7 @@ def test_required_calls_one_of_the_tools(client):
         check_weather_call(call)
 
 
+@pytest.mark.slow
 def test_auto_and_none_answer_in_text_where_the_model_has_no_call_format(client):
     """SmolLM2 has no tool-call format of its own: auto answers in text, as none does."""
     for choice in ("auto", "none"):
@@ -95,6 +98,7 @@ def test_auto_and_none_answer_in_text_where_the_model_has_no_call_format(client)
         assert r.choices[0].message.content and not r.choices[0].message.tool_calls, choice
 
 
+@pytest.mark.slow
 def test_the_next_turn_goes_back_through_the_template(client):
     """The assistant's call and the tool's result are a conversation the template renders, and the reply goes on."""
     turn = [
