@@ -204,7 +204,10 @@ def test_a_residual_is_added_as_torch_adds(dtype, quant):
 
 @pytest.mark.parametrize(
     "dtype, quant",
-    [("float32", None), pytest.param("bfloat16", None, marks=pytest.mark.slow), ("bfloat16", "int4")],
+    [
+        ("float32", None),
+        *(pytest.param(*m, marks=pytest.mark.slow) for m in [("bfloat16", None), ("bfloat16", "int4")]),
+    ],
 )
 def test_fused_block_is_block_forward(dtype, quant):
     # cpu.optimize's FusedBlock gives Block.forward's logits bit for bit over a step of prompt pieces and decodes.
@@ -241,6 +244,7 @@ def test_fused_block_is_block_forward(dtype, quant):
     assert len(logits) == len(fused_logits) > 6 and all(map(torch.equal, logits, fused_logits))
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next():
     # torch's lock file, as a process killed inside torch's load leaves it: the next process still loads.
     from torch.utils.cpp_extension import _get_build_directory

@@ -325,6 +325,7 @@ print(out[0])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_freed_memory_stays_in_a_fragmented_thread_heap():
     # The server steps on a thread of its own. Once that thread's heap is fragmented (8 minutes of mixed
     # load), a tensor that fits no hole must not map a fresh heap that its free unmaps again: every page

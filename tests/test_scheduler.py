@@ -263,6 +263,7 @@ def test_stop_strings_count_from_min_tokens_on(tiny):
         )
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_prefill_takes_whatever_budget_the_decodes_leave(tiny):
     # --max-num-seqs 256 --max-num-batched-tokens 256: while 250 sequences decode, a 4,000-token prompt takes
     # the 6 tokens a step they leave (cut anywhere), so its prefill ends after ceil(4000 / 6) steps. The

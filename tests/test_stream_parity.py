@@ -382,7 +382,7 @@ def parity_test(server: str, chat: bool, n: int, **kinds):
     return test
 
 
-test_completions_tiny = parity_test("tiny_server", False, 10, tiny=True)
+test_completions_tiny = pytest.mark.slow(parity_test("tiny_server", False, 10, tiny=True))
 test_chat_tiny = parity_test("tiny_server", True, 10, tiny=True)
 test_completions_tiny_preempted = parity_test("tight_server", False, 4, tiny=True, tight=True)
 test_chat_tiny_preempted = parity_test("tight_server", True, 4, tiny=True, tight=True)

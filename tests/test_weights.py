@@ -303,6 +303,7 @@ def test_a_damaged_checkpoint_or_a_missing_path_is_named(tmp_path):
             resolve_checkpoint(model, path)
 
 
+@pytest.mark.slow  # the inner loop keeps a lighter test of its kind
 def test_a_gguf_without_the_gguf_package_says_what_to_install(tmp_path):
     # In a process of its own: this one's GGUF reader is cached (conftest.py).
     write_gguf(tmp_path / "m.gguf", tiny_llama(False, False), {}, {})
