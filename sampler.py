@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from sequence import Sequence
+from structured import mask
 
 HEAD = 64  # a row's likeliest tokens, where top-k, min-p and top-p look first: a fixed count, so a fixed shape
 TOP_LOGPROBS = 20  # top logprobs come from one topk of this size for every row (SamplingParams' most), then cut
@@ -77,10 +78,10 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
     touches only the (row, token) entries listed for its row, gathered on the host into one flat index per rule."""
     vocab = logits.shape[-1]
     ban, bias, repeat, penalty = [], [], [], []  # flat indices row * vocab + token (with their values)
-    grammars = []  # (sequence, its first row): its grammar masks that row and its drafts' after it
+    grammars = []  # (matcher, its sequence's first row, the drafts whose rows follow)
     for r, (seq, drafted) in enumerate(rows):
         p, base = seq.params, r * vocab
-        grammars += [(seq, r)] if seq.grammar and not drafted else []
+        grammars += [(seq.grammar, r, seq.draft)] if seq.grammar and not drafted else []
         out = seq.output_token_ids + seq.draft[:drafted]
         if len(out) < p.min_tokens:
             ban += [base + t for t in seq.stop_ids]
@@ -105,8 +106,8 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
             at, value = zip(*pairs)
             at = to_device(list(at), torch.int64, dev)
             flat[at] = rule(flat[at], to_device(list(value), x.dtype, dev))
-    for seq, r in grammars:
-        seq.grammar.mask(x, r, seq.draft)
+    if grammars:
+        mask(x, grammars)
     return x
 
 

@@ -7,6 +7,7 @@ emitted. A mask depends on the sequence's own grammar and output alone: lanes st
 from __future__ import annotations
 
 import json
+import os
 
 import llguidance
 import numpy as np
@@ -72,25 +73,6 @@ class Matcher:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
 
-    def allowed(self) -> torch.Tensor:
-        """Which tokens the grammar allows next, as booleans over the vocabulary."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), np.uint8)
-        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool))
-
-    def mask(self, logits: torch.Tensor, row: int, draft: list[int]) -> None:
-        """-inf at every token the grammar forbids, on this sequence's rows of logits from `row` on: its next
-        token's, then its drafts'. Row row + j is masked as if draft[:j] had been emitted; once a draft is one the
-        grammar refuses, the rows after it are left as they are (unreachable: the token before cannot equal that
-        draft). Then the matcher goes back to where it was."""
-        masks = []
-        for j in range(len(draft) + 1):
-            masks.append(self.allowed())
-            if j == len(draft) or not masks[-1][draft[j]] or not self.matcher.consume_token(draft[j]):
-                break
-        self.matcher.rollback(len(masks) - 1)
-        reached = slice(row, row + len(masks))
-        logits[reached] = logits[reached].masked_fill(~torch.stack(masks).to(logits.device), float("-inf"))
-
     def accept(self, token: int) -> bool:
         """The token emitted next; False if the grammar forbids it (every allowed token was banned otherwise)."""
         return self.matcher.consume_token(token)
@@ -99,3 +81,26 @@ class Matcher:
     def done(self) -> bool:
         """The grammar is complete and its stop token emitted, or it can take no more tokens."""
         return self.matcher.is_stopped()
+
+
+_threads: llguidance.LLExecutor | None = None  # llguidance's own, made at the first mask
+
+
+def mask(logits: torch.Tensor, grammars: list[tuple[Matcher, int, list[int]]]) -> None:
+    """-inf at every token a grammar forbids. Each (matcher, row, draft) masks logits' row (its sequence's next token)
+    and the draft's rows after it, row + j as if draft[:j] had been emitted; once a draft is one the grammar refuses,
+    the rows after it are left as they are (unreachable: the token before cannot equal that draft), and the matcher
+    ends where it began. llguidance computes every row on its own threads, the GIL released."""
+    global _threads
+    _threads = _threads or llguidance.LLExecutor(os.cpu_count())  # its default takes 80% of the cores
+    bits = torch.full((logits.shape[0], (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)  # -1: all allowed
+    plain, drafted = [(m.matcher, r) for m, r, d in grammars if not d], [(m.matcher, r, d) for m, r, d in grammars if d]
+    # Into bits' memory directly (llguidance.torch wraps the same calls, but its import sets up torch.compile).
+    size = (bits.data_ptr(), bits.shape[1] * 4, bits.shape[0])
+    if plain:
+        _threads.unsafe_compute_mask_ptr(plain, *size)
+    if drafted:
+        _threads.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
+    # A mask's bit t % 32 of word t // 32 is token t: its bytes in little-endian order, unpacked LSB first.
+    allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+    logits.masked_fill_(torch.from_numpy(allowed == 0).to(logits.device), float("-inf"))
