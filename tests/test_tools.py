@@ -34,6 +34,19 @@ def client():
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+def called(city: str, result: str) -> list[dict]:
+    """An assistant turn that called get_weather for city, and the tool's answer."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+    }
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+    ]
+
+
 def check_weather_call(call) -> dict:
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     arguments = json.loads(call.function.arguments)
@@ -101,21 +114,7 @@ def test_auto_and_none_answer_in_text_where_the_model_has_no_call_format(client)
 @pytest.mark.slow
 def test_the_next_turn_goes_back_through_the_template(client):
     """The assistant's call and the tool's result are a conversation the template renders, and the reply goes on."""
-    turn = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny"}'},
-    ]
+    turn = [*ASK, *called("Paris", '{"forecast": "sunny"}')]
     r = client.chat.completions.create(
         model="smollm2-135m", messages=turn, tools=[WEATHER], temperature=0, max_tokens=8
     )
@@ -134,21 +133,7 @@ def test_tools_and_calls_reach_the_template(tiny):
         "{% endfor %}"
     )
     body = {
-        "messages": [
-            {"role": "user", "content": "hi"},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "c",
-                        "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "c", "content": "rain"},
-        ],
+        "messages": [{"role": "user", "content": "hi"}, *called("Oslo", "rain")],
         "tools": [WEATHER, TIME],
     }
     text = llm.tokenizer.decode(openai_api.chat_prompt(body, llm, add_generation_prompt=False))
