@@ -55,15 +55,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
     if asked:
         lp = logits[asked].float().log_softmax(-1)
         top = lp.topk(TOP_LOGPROBS)
-        parts += [lp.gather(1, tokens[asked].unsqueeze(1))[:, 0], top.indices.flatten(), top.values.flatten()]
-    # One transfer: ids (exact in float64), NaN flags, then the asked rows' logprobs, top ids and top logprobs.
+        # Per asked row: its token's logprob, the top ids (exact in float32: below 2**24), the top logprobs.
+        parts.append(torch.cat([lp.gather(1, tokens[asked].unsqueeze(1)), top.indices, top.values], 1).flatten())
+    # One transfer: ids (exact in float64), NaN flags, then the asked rows.
     flat = torch.cat([t.double() for t in parts]).tolist()
     n, k = len(rows), TOP_LOGPROBS
     ids, logprobs = [int(t) for t in flat[:n]], [None] * n
-    chosen, top_ids, top_lps = flat[2 * n :], flat[2 * n + len(asked) :], flat[2 * n + len(asked) * (1 + k) :]
     for i, r in enumerate(asked):
-        top = list(zip(map(int, top_ids[i * k : i * k + k]), top_lps[i * k : i * k + k]))
-        logprobs[r] = TokenLogprob(ids[r], chosen[i], top[: rows[r][0].params.logprobs])
+        at = 2 * n + i * (1 + 2 * k)
+        row = flat[at : at + 1 + 2 * k]
+        top = list(zip(map(int, row[1 : 1 + k]), row[1 + k : 1 + 2 * k]))
+        logprobs[r] = TokenLogprob(ids[r], row[0], top[: rows[r][0].params.logprobs])
     errors = ["the model's logits are NaN" if nan else None for nan in flat[n : 2 * n]]
     out, end = [], 0
     for s in seqs:
@@ -82,10 +84,12 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
     for r, (seq, drafted) in enumerate(rows):
         p, base = seq.params, r * vocab
         grammars += [(seq.grammar, r, seq.draft)] if seq.grammar and not drafted else []
-        out = seq.output_token_ids + seq.draft[:drafted]
-        if len(out) < p.min_tokens:
+        if seq.num_tokens - seq.num_prompt_tokens + drafted < p.min_tokens:
             ban += [base + t for t in seq.stop_ids]
         bias += [(base + t, b) for t, b in p.logit_bias.items()]
+        if p.repetition_penalty == 1 and not (p.presence_penalty or p.frequency_penalty):
+            continue  # the rest reads the row's output: copied only when a rule needs it
+        out = seq.output_token_ids + seq.draft[:drafted]
         if p.repetition_penalty != 1:
             repeat += [(base + t, p.repetition_penalty) for t in set(seq.token_ids[: seq.num_prompt_tokens] + out)]
         if p.presence_penalty or p.frequency_penalty:

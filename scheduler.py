@@ -50,8 +50,8 @@ class Scheduler:
         order, while the token budget, max_num_seqs and free KV blocks allow."""
         out = SchedulerOutput([], [], [])
         self.budget = self.config.max_num_batched_tokens
-        k, decoding = self.config.num_speculative_tokens, sum(not s.is_prefilling for s in self.running)
-        self.drafts = draft_share(k, decoding) if k else 0  # per decoding sequence
+        k = self.config.num_speculative_tokens  # draft tokens per decoding sequence, counted only when speculating:
+        self.drafts = draft_share(k, sum(not s.is_prefilling for s in self.running)) if k else 0
         preemptions = self.num_preemptions
         if self.config.scheduling == "static" and not self.running and not self.swapped:
             self._admit_static_batch()

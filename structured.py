@@ -64,14 +64,14 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind} does not compile: {matcher.get_error().strip()[:500]}")
-        return Matcher(matcher, self.vocab_size)
+        return Matcher(matcher)
 
 
 class Matcher:
     """Where one sequence's output stands in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher = matcher
 
     def accept(self, token: int) -> bool:
         """The token emitted next; False if the grammar forbids it (every allowed token was banned otherwise)."""
@@ -101,6 +101,12 @@ def mask(logits: torch.Tensor, grammars: list[tuple[Matcher, int, list[int]]]) -
         _threads.unsafe_compute_mask_ptr(plain, *size)
     if drafted:
         _threads.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
-    # A mask's bit t % 32 of word t // 32 is token t: its bytes in little-endian order, unpacked LSB first.
-    allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-    logits.masked_fill_(torch.from_numpy(allowed == 0).to(logits.device), float("-inf"))
+    # Only the grammars' rows are unpacked and filled. A mask's bit t % 32 of word t // 32 is token t: its bytes in
+    # little-endian order, unpacked least significant bit first.
+    rows = [r + j for _, r, d in grammars for j in range(len(d) + 1)]
+    allowed = np.unpackbits(bits[rows].numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+    forbidden = torch.from_numpy(allowed == 0).to(logits.device)
+    if len(rows) == len(logits):  # every row, in order: in place, without gathering them first
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
