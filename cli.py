@@ -7,6 +7,9 @@ import argparse
 import difflib
 import json
 import sys
+from dataclasses import fields
+
+from config import EngineConfig
 
 # Other servers' names for our flags (llama.cpp server, TGI), which a close spelling would not find.
 KNOWN_AS = {
@@ -80,3 +83,38 @@ def speculative_config(text: str) -> dict:
         )
     spec.pop("method", None)
     return spec
+
+
+def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
+    """One flag per knob, vLLM-style: max_num_seqs becomes --max-num-seqs, a boolean gets --x and --no-x."""
+    group = parser.add_argument_group(title)
+    for f in fields(EngineConfig):
+        if "help" not in f.metadata:
+            continue
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        if isinstance(default, bool):
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=f.metadata["help"] + (" (default on)" if default else ""),
+            )
+            continue
+        group.add_argument(
+            flag,
+            type=f.metadata.get("type", type(default)),
+            default=default,
+            choices=f.metadata.get("choices"),
+            help=f.metadata["help"] + ("" if default is None else f" (default {default})"),
+        )
+    group.add_argument("--speculative-config", type=speculative_config, help=speculative_config.__doc__)
+
+
+def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The config a command line asked for (None: the field's default); ValueError names a bad knob."""
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
+    given |= getattr(args, "speculative_config", None) or {}
+    config = EngineConfig(**{**given, **overrides})
+    if config.prefix_cache_isolation and not config.enable_prefix_caching:  # alone it would do nothing, silently
+        raise ValueError("--prefix-cache-isolation acts on the prefix cache: add --enable-prefix-caching")
+    return config

@@ -1,13 +1,11 @@
 """The engine's knobs, declared once: EngineConfig's fields are the Python API, and serve.py and bench.py
 build their command lines from them (help text included), so a new knob appears everywhere at once."""
 
-import argparse
 import math
 import os
 import re
 from dataclasses import dataclass, field, fields
 
-from cli import speculative_config
 from sequence import require, typed
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -95,7 +93,6 @@ class EngineConfig:
     )
     prompt_lookup_max: int = knob(4, "speculation: longest n-gram of a sequence's last tokens looked up in it")
     prompt_lookup_min: int = knob(2, "speculation: shortest such n-gram")
-    trace: bool = False  # keep a per-step trace of the scheduled sequences (tests, teaching); not a flag
 
     def __post_init__(self):
         """Refuse impossible settings at once, with a message naming the knob."""
@@ -161,35 +158,3 @@ class EngineConfig:
                 ),
             ]
         )
-
-
-def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
-    """One flag per knob, vLLM-style: max_num_seqs becomes --max-num-seqs, a boolean gets --x and --no-x."""
-    group = parser.add_argument_group(title)
-    for f in fields(EngineConfig):
-        if "help" not in f.metadata:
-            continue
-        flag, default = "--" + f.name.replace("_", "-"), f.default
-        if isinstance(default, bool):
-            group.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=default,
-                help=f.metadata["help"] + (" (default on)" if default else ""),
-            )
-            continue
-        group.add_argument(
-            flag,
-            type=f.metadata.get("type", type(default)),
-            default=default,
-            choices=f.metadata.get("choices"),
-            help=f.metadata["help"] + ("" if default is None else f" (default {default})"),
-        )
-    group.add_argument("--speculative-config", type=speculative_config, help=speculative_config.__doc__)
-
-
-def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    """The config a command line asked for (None: the field's default); ValueError names a bad knob."""
-    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
-    given |= getattr(args, "speculative_config", None) or {}
-    return EngineConfig(**{**given, **overrides})

@@ -5,6 +5,7 @@ and for transformers alike. The loaders themselves are tested on fresh files of 
 test_weights.py and test_tokenizer.py."""
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -16,6 +17,7 @@ import engine
 import weights
 from config import EngineConfig
 from model import ModelConfig
+from sequence import Status
 
 
 def pytest_configure(config):
@@ -93,6 +95,30 @@ TINY = ModelConfig(
     num_key_value_heads=2,
     head_dim=16,
 )
+
+
+@dataclasses.dataclass
+class SeqStep:
+    """One sequence in one step: kv_tokens counts all its tokens after the step (prompt and generated), the one
+    sampled this step included (its K/V is written next step)."""
+
+    request_id: str
+    num_new_tokens: int
+    num_generated: int
+    kv_tokens: int
+    finished: bool
+
+
+def traced(engine) -> list[list[SeqStep]]:
+    """The steps engine runs from now on, one SeqStep per scheduled sequence, recorded through Engine.on_step."""
+    steps = []
+    engine.on_step = lambda engine, out, outputs, seconds: steps.append(
+        [
+            SeqStep(s.request_id, n, s.num_tokens - s.num_prompt_tokens, s.num_tokens, s.status is Status.FINISHED)
+            for s, n in out.scheduled
+        ]
+    )
+    return steps
 
 
 @contextlib.contextmanager

@@ -37,18 +37,7 @@ class RequestOutput:
     queue_time: float | None = None  # seconds it waited for its first step
     error: str | None = None  # why this request alone failed (its sampling or detokenizing raised)
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token (not EOS) that ended it
-
-
-@dataclass
-class SeqStep:
-    """One sequence in one step of the trace. kv_tokens: all its tokens after the step, the whole prompt and the
-    generated ones, the one sampled this step included (its K/V is written next step)."""
-
-    request_id: str
-    num_new_tokens: int
-    num_generated: int
-    kv_tokens: int
-    finished: bool
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1, 2, ..., when asked for
 
 
 class Engine:
@@ -84,7 +73,6 @@ class Engine:
         self.scheduler = Scheduler(c, self.block_manager, BlockManager(r.num_swap_blocks, c.block_size))
         self.requests: dict[str, Sequence] = {}
         self.rng = random.Random(c.seed)
-        self.trace: list[list[SeqStep]] = []
         self.on_step = None  # called after each step with (engine, SchedulerOutput, outputs, seconds): events.py
         self.verified = {}  # this step's drafts: request id -> (drafted, accepted)
         self.held: list[RequestOutput] = []  # static mode: finished, waiting for the batch to end
@@ -204,15 +192,6 @@ class Engine:
         outputs = [o for r in sampled for o in self._emit(r)]
         if self.on_step:
             self.on_step(self, out, outputs, time.perf_counter() - began)
-        if self.config.trace:
-            self.trace.append(
-                [
-                    SeqStep(
-                        s.request_id, n, s.num_tokens - s.num_prompt_tokens, s.num_tokens, s.status is Status.FINISHED
-                    )
-                    for s, n in out.scheduled
-                ]
-            )
         if self.config.scheduling == "static":
             # Request-level batching answers a batch all at once: a finished sequence's result waits
             # (its place in the batch idle) until the batch's longest sequence is done.
@@ -226,6 +205,7 @@ class Engine:
         """A sampled sequence's tokens: its next, then each draft row's while the token before agreed with that draft
         (whose K/V then counts as computed), until it finishes."""
         seq, draft, outputs = r.seq, r.seq.draft, []
+        seq.prompt_logprobs += r.prompt_logprobs
         for j, token in enumerate(r.token_ids):
             if j and (seq.status is Status.FINISHED or r.token_ids[j - 1] != draft[j - 1]):
                 break
@@ -298,6 +278,7 @@ class Engine:
             seq.queue_time,
             error,
             stop_reason,
+            seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
         )
 
 

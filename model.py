@@ -44,37 +44,6 @@ class ModelConfig:
         return bool(self.sliding_window and (layer + 1) % self.sliding_window_pattern)
 
 
-def tp_split(c: ModelConfig, name: str, rank: int, size: int) -> tuple[int, int, int] | None:
-    """The part of weight `name` (HF naming) that rank `rank` of `size` holds, as (dim, start, stop); None:
-    all of it (embedding, norms, LM head). Megatron's split: Q/K/V and gate/up by output rows, o and down by
-    input columns, so a rank owns whole attention heads and MLP columns, and adding the ranks' partial o and
-    down outputs completes a layer. KV heads are split like the query heads while there are at least `size`
-    of them; with fewer, rank r keeps head r * kv // size, the one its query heads read (as vLLM does)."""
-    d, heads, kv = c.head_dim, c.num_attention_heads // size, c.num_key_value_heads
-    if name.endswith(("q_proj.weight", "o_proj.weight")):
-        start, n = rank * heads * d, heads * d
-    elif name.endswith(("k_proj.weight", "v_proj.weight")):
-        start, n = rank * kv // size * d, max(1, kv // size) * d
-    elif name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
-        n = c.intermediate_size // size
-        start = rank * n
-    else:
-        return None
-    return int(name.endswith(("o_proj.weight", "down_proj.weight"))), start, start + n
-
-
-def tp_check(c: ModelConfig, size: int) -> None:
-    """ValueError unless the model splits evenly into `size` ranks."""
-    kv = c.num_key_value_heads
-    for what, n, ok in (
-        ("attention heads", c.num_attention_heads, c.num_attention_heads % size == 0),
-        ("KV heads", kv, kv % size == 0 if size <= kv else size % kv == 0),
-        ("MLP columns", c.intermediate_size, c.intermediate_size % size == 0),
-    ):
-        if not ok:
-            raise ValueError(f"tensor_parallel_size {size} does not split the model's {n} {what} evenly")
-
-
 @dataclass
 class BatchMeta:
     """Where each flattened token of one step lives. Sequence i owns the next query_lens[i] token rows;
@@ -83,7 +52,7 @@ class BatchMeta:
     slot_mapping: torch.Tensor  # [num_tokens] int64, physical KV slot per new token, -1 = padding
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, unused entries 0
     context_lens: torch.Tensor  # [num_seqs] int32
-    sample_rows: torch.Tensor  # [num_sampled] int64, rows whose logits are needed this step
+    logits_indices: torch.Tensor  # [num_sampled] int64, rows whose logits are needed this step
     max_query_len: int  # 1: every sequence decodes one token (graph-capturable)
     max_context_len: int  # bounds the decode kernel's scratch
     # The host's copies of what attention cuts the batch by, so that no layer waits on the device to read
@@ -245,7 +214,6 @@ class Transformer(nn.Module):
         )
 
     @torch.no_grad()
-    @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -253,7 +221,7 @@ class Transformer(nn.Module):
         meta: BatchMeta,
         kv_caches: list[tuple[torch.Tensor, ...]],
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]. Returns logits (in the model's dtype) for meta.sample_rows only:
+        """input_ids, positions: [num_tokens]. Returns logits (in the model's dtype) for meta.logits_indices only:
         the LM head is the largest matmul per token and mid-prompt rows never need it."""
         x = self.embed(input_ids)
         if self.config.gemma:  # the scale rounded to the model's dtype first, as in transformers
@@ -262,4 +230,4 @@ class Transformer(nn.Module):
         sin = self.rope_sin[:, positions].to(x.dtype)[:, :, None, :]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos[int(layer.local)], sin[int(layer.local)], meta, kv_cache, self)
-        return self.lm_head(self.norm(x[meta.sample_rows]))
+        return self.lm_head(self.norm(x[meta.logits_indices]))

@@ -1,4 +1,4 @@
-"""Tensor parallelism on torch.distributed: one model split across processes, Megatron's way (model.tp_split says
+"""Tensor parallelism on torch.distributed: one model split across processes, Megatron's way (tp_split says
 which rows or columns each rank holds). Rank 0, the engine, broadcasts each step's batch; every rank runs the same
 forward pass on its own heads and MLP columns, and one all-reduce per half-layer adds their partial outputs. One GPU
 per rank with NCCL, or CPU processes with gloo. The engine spawns its workers; under torchrun (several machines) every
@@ -16,10 +16,46 @@ import socket
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from model import ModelConfig
+
+
+def tp_split(c: ModelConfig, name: str, rank: int, size: int) -> tuple[int, int, int] | None:
+    """The part of weight `name` (HF naming) that rank `rank` of `size` holds, as (dim, start, stop); None:
+    all of it (embedding, norms, LM head). Megatron's split: Q/K/V and gate/up by output rows, o and down by
+    input columns, so a rank owns whole attention heads and MLP columns, and adding the ranks' partial o and
+    down outputs completes a layer. KV heads are split like the query heads while there are at least `size`
+    of them; with fewer, rank r keeps head r * kv // size, the one its query heads read (as vLLM does)."""
+    d, heads, kv = c.head_dim, c.num_attention_heads // size, c.num_key_value_heads
+    if name.endswith(("q_proj.weight", "o_proj.weight")):
+        start, n = rank * heads * d, heads * d
+    elif name.endswith(("k_proj.weight", "v_proj.weight")):
+        start, n = rank * kv // size * d, max(1, kv // size) * d
+    elif name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+        n = c.intermediate_size // size
+        start = rank * n
+    else:
+        return None
+    return int(name.endswith(("o_proj.weight", "down_proj.weight"))), start, start + n
+
+
+def tp_check(c: ModelConfig, size: int) -> None:
+    """ValueError unless the model splits evenly into `size` ranks."""
+    kv = c.num_key_value_heads
+    for what, n, ok in (
+        ("attention heads", c.num_attention_heads, c.num_attention_heads % size == 0),
+        ("KV heads", kv, kv % size == 0 if size <= kv else size % kv == 0),
+        ("MLP columns", c.intermediate_size, c.intermediate_size % size == 0),
+    ):
+        if not ok:
+            raise ValueError(f"tensor_parallel_size {size} does not split the model's {n} {what} evenly")
+
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 

@@ -31,43 +31,54 @@ class StepBatch:
     slot_mapping: list[int]
     block_tables: list[list[int]]  # padded with 0 to the longest
     context_lens: list[int]
-    sample_rows: list[int]
+    logits_indices: list[int]  # the sampled rows, then the rows scoring prompt tokens
     query_lens: list[int]
     prompt_lens: list[int]
 
     @classmethod
-    def build(cls, scheduled: list[tuple[Sequence, int]], block_size: int) -> tuple[StepBatch, list[Sequence]]:
-        """The batch, and the sequences sampled this step (those whose piece reaches their last token)."""
+    def build(
+        cls, scheduled: list[tuple[Sequence, int]], block_size: int
+    ) -> tuple[StepBatch, list[Sequence], list[tuple[Sequence, list[int]]]]:
+        """The batch, the sequences sampled this step (those whose piece reaches their last token), and those
+        scoring prompt tokens (prompt_logprobs) with the tokens their rows score."""
         scheduled = sorted(scheduled, key=lambda item: item[1] > 1)
         input_ids, positions, slot_mapping, block_tables, context_lens = [], [], [], [], []
-        sample_rows, sampled = [], []
+        logits_indices, sampled, score_rows, scored = [], [], [], []
         for seq, n in scheduled:
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if seq.params.prompt_logprobs is not None:  # position p's row scores token p + 1; recomputed ones are not
+                score = range(max(begin, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1))
+                score_rows += [len(input_ids) + p - begin for p in score]
+                scored += [(seq, seq.token_ids[score.start + 1 : score.stop + 1])] if score else []
             input_ids += seq.token_ids[begin:end] + seq.draft
             positions += range(begin, end)
             slot_mapping += slots(seq.block_table, block_size, begin, end)
             block_tables.append(seq.block_table)
             context_lens.append(end)
             if end == seq.num_tokens + len(seq.draft):  # its last token's row, then its drafts'
-                sample_rows += range(len(input_ids) - 1 - len(seq.draft), len(input_ids))
+                logits_indices += range(len(input_ids) - 1 - len(seq.draft), len(input_ids))
                 sampled.append(seq)
         width = max(len(t) for t in block_tables)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
-        return cls(
-            input_ids,
-            positions,
-            slot_mapping,
-            tables,
-            context_lens,
-            sample_rows,
-            [n for _, n in scheduled],
-            [seq.num_prompt_tokens for seq, _ in scheduled],
-        ), sampled
+        return (
+            cls(
+                input_ids,
+                positions,
+                slot_mapping,
+                tables,
+                context_lens,
+                logits_indices + score_rows,
+                [n for _, n in scheduled],
+                [seq.num_prompt_tokens for seq, _ in scheduled],
+            ),
+            sampled,
+            scored,
+        )
 
     def to_device(self, dev: torch.device, sampling: bool = True) -> tuple[torch.Tensor, torch.Tensor, BatchMeta]:
         """Input ids, positions and metadata on the device."""
         i32, i64 = torch.int32, torch.int64
-        rows = self.sample_rows if sampling else []  # only rank 0 samples: no LM head runs on the others
+        rows = self.logits_indices if sampling else []  # only rank 0 samples: no LM head runs on the others
         meta = BatchMeta(
             to_device(self.slot_mapping, i64, dev),
             to_device(self.block_tables, i32, dev),
@@ -216,7 +227,10 @@ class ModelRunner:
         ids, table = [0] * length, [0] * -(-length // c.block_size)  # shared: only their lengths are read
 
         def seq(n: int) -> tuple[Sequence, int]:
-            s = Sequence("profile", ids, SamplingParams(), block_table=table, num_computed_tokens=length - n)
+            # Asking for prompt logprobs: every row of the chunk has logits.
+            s = Sequence(
+                "profile", ids, SamplingParams(prompt_logprobs=0), block_table=table, num_computed_tokens=length - n
+            )
             return s, n
 
         chunks = sorted({min(c.max_num_batched_tokens, n) for n in (length, length - 1)}, reverse=True)
@@ -229,10 +243,10 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
         for step in self._profile_steps():
-            batch, sampled = StepBatch.build(step, self.config.block_size)
+            batch, *rows = StepBatch.build(step, self.config.block_size)
             logits = self.model(*batch.to_device(dev, self.rank == 0), scratch.layers)
             if self.rank == 0:  # the only rank that samples
-                sample(logits, sampled)
+                sample(logits, *rows)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before
         del scratch
@@ -248,7 +262,7 @@ class ModelRunner:
         """One step: build the batch, broadcast it to the other ranks, forward it, sample: each sampled sequence's
         next token, and the token after each of its drafts. Failing is fatal under tensor parallelism
         (WorkerFailure)."""
-        batch, sampled = StepBatch.build(scheduled, self.config.block_size) if scheduled else (None, [])
+        batch, sampled, scored = StepBatch.build(scheduled, self.config.block_size) if scheduled else (None, [], [])
         try:
             if self.tp:
                 self.tp.broadcast((swap_out, swap_in, batch))
@@ -257,7 +271,7 @@ class ModelRunner:
             if self.tp:
                 raise self.tp.fail(e) from e
             raise
-        return sample(logits, sampled) if batch else []
+        return sample(logits, sampled, scored) if batch else []
 
     def forward(
         self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], batch: StepBatch | None
@@ -270,7 +284,7 @@ class ModelRunner:
         ids, pos, meta = batch.to_device(self.device, self.rank == 0)
         if self.graphs and meta.max_query_len == 1:  # the largest graph holds max_num_seqs rows
             # A graph computes every row; a one-token prefill piece that is not its prompt's end samples none.
-            return self.graphs.run(ids, pos, meta)[meta.sample_rows]
+            return self.graphs.run(ids, pos, meta)[meta.logits_indices]
         return self.model(ids, pos, meta, self.kv_cache.layers)
 
 

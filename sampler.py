@@ -4,7 +4,7 @@ reductions within a row only, and random numbers from the row's own (seed, outpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
+    rank: int  # 1 + how many tokens are likelier
 
 
 @dataclass
@@ -32,14 +33,17 @@ class Sampled:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     errors: list[str | None]
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the prompt tokens this step scored
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
-    """logits: each sequence's row, then its draft rows (speculation.py). A draft row is sampled as if the drafts
-    before it had been emitted: its penalties, min_tokens and random number see them. Plain greedy rows take the
-    first maximal index (widening bfloat16 first changes no order)."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], scored: list[tuple[Sequence, list[int]]] = ()) -> list[Sampled]:
+    """logits: each sequence's row, then its draft rows (speculation.py), then the rows of `scored`, each scoring
+    a prompt token (prompt_logprobs). A draft row is sampled as if the drafts before it had been emitted: its
+    penalties, min_tokens and random number see them. Plain greedy rows take the first maximal index (widening
+    bfloat16 first changes no order)."""
     rows = [(s, j) for s in seqs for j in range(len(s.draft) + 1)]
-    x = _process(logits, rows)
+    n, k = len(rows), TOP_LOGPROBS
+    x = _process(logits[:n], rows)
     best = x.max(dim=-1)  # NaN anywhere in a row makes its max NaN
     tokens = best.indices
     drawn = [r for r, (s, _) in enumerate(rows) if s.params.temperature]
@@ -51,27 +55,37 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
         )
     # From the model's own distribution, before penalties, bias and temperature, as vLLM's default.
     asked = [r for r, (s, _) in enumerate(rows) if s.params.logprobs is not None]
+    targets = [t for _, ids in scored for t in ids]
     parts = [tokens, best.values.isnan()]
-    if asked:
-        lp = logits[asked].float().log_softmax(-1)
-        top = lp.topk(TOP_LOGPROBS)
-        # Per asked row: its token's logprob, the top ids (exact in float32: below 2**24), the top logprobs.
-        parts.append(torch.cat([lp.gather(1, tokens[asked].unsqueeze(1)), top.indices, top.values], 1).flatten())
-    # One transfer: ids (exact in float64), NaN flags, then the asked rows.
+    if asked or targets:
+        lp = logits[asked + list(range(n, len(logits)))].float().log_softmax(-1)
+        chosen = lp.gather(1, torch.cat([tokens[asked], to_device(targets, torch.int64, x.device)]).unsqueeze(1))
+        top = lp.topk(k)
+        # Per row: its token's logprob and rank, the top ids (exact in float32: below 2**24), the top logprobs.
+        rank = (lp > chosen).sum(1, keepdim=True) + 1
+        parts.append(torch.cat([chosen, rank, top.indices, top.values], 1).flatten())
+    # One transfer: ids (exact in float64), NaN flags, then the asked rows and the scored ones.
     flat = torch.cat([t.double() for t in parts]).tolist()
-    n, k = len(rows), TOP_LOGPROBS
-    ids, logprobs = [int(t) for t in flat[:n]], [None] * n
-    for i, r in enumerate(asked):
-        at = 2 * n + i * (1 + 2 * k)
-        row = flat[at : at + 1 + 2 * k]
-        top = list(zip(map(int, row[1 : 1 + k]), row[1 + k : 1 + 2 * k]))
-        logprobs[r] = TokenLogprob(ids[r], row[0], top[: rows[r][0].params.logprobs])
+    ids, width = [int(t) for t in flat[:n]], 2 + 2 * k
+    want = [(ids[r], rows[r][0].params.logprobs) for r in asked]
+    want += [(t, s.params.prompt_logprobs) for s, targets in scored for t in targets]
+    entries = []
+    for i, (token, top_k) in enumerate(want):
+        row = flat[2 * n + i * width :][:width]
+        top = list(zip(map(int, row[2 : 2 + k]), row[2 + k :]))
+        entries.append(TokenLogprob(token, row[0], top[:top_k], int(row[1])))
+    logprobs = [None] * n
+    for r, entry in zip(asked, entries):
+        logprobs[r] = entry
     errors = ["the model's logits are NaN" if nan else None for nan in flat[n : 2 * n]]
+    prompt, at = {}, len(asked)
+    for s, targets in scored:
+        prompt[s], at = entries[at : at + len(targets)], at + len(targets)
     out, end = [], 0
     for s in seqs:
         mine = slice(end, end := end + 1 + len(s.draft))
-        out.append(Sampled(s, ids[mine], logprobs[mine], errors[mine]))
-    return out
+        out.append(Sampled(s, ids[mine], logprobs[mine], errors[mine], prompt.pop(s, [])))
+    return out + [Sampled(s, [], [], [], lps) for s, lps in prompt.items()]
 
 
 def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Tensor:

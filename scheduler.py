@@ -89,9 +89,9 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Start a waiting sequence: share what the prefix cache holds, then compute the first piece of
         the rest. False (and nothing held) if it does not fit."""
-        cached = self.blocks.match_prefix(
-            seq.block_table, seq.token_ids[: seq.num_prompt_tokens], seq.params.cache_salt
-        )
+        # Prompt logprobs skip the cache (as vLLM's): a cached prefix has no logits.
+        prompt = seq.token_ids[: seq.num_prompt_tokens] if seq.params.prompt_logprobs is None else []
+        cached = self.blocks.match_prefix(seq.block_table, prompt, seq.params.cache_salt)
         n = self._cut(seq, cached)
         if n == 0 or not self.blocks.can_allocate(seq.block_table, cached + n):
             self.blocks.free(seq.block_table)

@@ -37,6 +37,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
     frequency_penalty: float = 0.0  # ... and this times how often it was generated
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
+    prompt_logprobs: int | None = None  # vLLM's: the same for each prompt token after the first
     min_tokens: int = 0  # stop tokens are banned, stop strings ignored, until this many are out
     repetition_penalty: float = 1.0  # vLLM's: a seen token's logit divided by it if positive, else multiplied
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
@@ -48,11 +49,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         numbers = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-        integers = ("top_k", "max_tokens", "min_tokens", "seed", "logprobs")  # the last two may be None
+        integers = ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs")  # last 3 may be None
         require(
             [
                 *(typed(n, getattr(self, n), float) for n in numbers),
-                *(typed(n, getattr(self, n), int, n in ("seed", "logprobs")) for n in integers),
+                *(typed(n, getattr(self, n), int, n in integers[3:]) for n in integers),
                 *(typed(n, getattr(self, n), bool) for n in ("ignore_eos", "skip_special_tokens")),
                 typed("structured_outputs", self.structured_outputs, dict, True),
                 (
@@ -90,7 +91,7 @@ class SamplingParams:
                 (self.max_tokens >= 1, "max_tokens must be >= 1"),
                 (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
                 (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-                (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+                *((getattr(self, n) in (None, *range(21)), f"{n} must be in [0, 20]") for n in integers[4:]),
                 (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
                 (0 < self.repetition_penalty < float("inf"), "repetition_penalty must be > 0 and finite"),
                 (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
@@ -133,6 +134,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # this step's draft tokens, after token_ids (speculation.py)
     ngrams: Any = None  # speculation.NgramIndex
     grammar: Any = None  # structured.Matcher, for a request with structured_outputs
+    prompt_logprobs: list = field(default_factory=list)  # sampler.TokenLogprob of prompt tokens 1, 2, ... so far
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)

@@ -17,8 +17,8 @@ import time
 import uuid
 
 import server
-from cli import ArgumentParser
-from config import DEFAULT_MODEL, EngineConfig, add_cli_args, from_cli_args
+from cli import ArgumentParser, add_cli_args, from_cli_args
+from config import DEFAULT_MODEL, EngineConfig
 from engine import Engine, RequestOutput
 from parallel import launched_by_torchrun
 from runner import run_worker

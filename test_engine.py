@@ -9,6 +9,7 @@ import torch
 import cpu_matmul
 import weights
 from config import EngineConfig
+from conftest import traced
 from cpu import Int4Linear, quantize_int4
 from engine import LLM, SamplingParams
 from runner import StepBatch
@@ -96,7 +97,7 @@ def test_last_position_logits(llm, hf):
         ids = seq.token_ids
         llm.block_manager.allocate(seq.block_table, len(ids))
         try:
-            batch, _ = StepBatch.build([(seq, len(ids))], llm.config.block_size)
+            batch, *_ = StepBatch.build([(seq, len(ids))], llm.config.block_size)
             tokens, positions, meta = batch.to_device(llm.runner.device)
             ours = llm.runner.model(tokens, positions, meta, llm.runner.kv_cache.layers)[0]
         finally:
@@ -117,16 +118,15 @@ def test_seeded_sampling_independent_of_batch(llm):
 
 
 def test_step_trace():
-    engine = LLM(num_kv_blocks=16, dtype="float32", device="cpu", trace=True)
+    engine = LLM(num_kv_blocks=16, dtype="float32", device="cpu")
+    steps = traced(engine)
     ignore = dict(temperature=0, ignore_eos=True)
     engine.add_request([10, 11, 12, 13], SamplingParams(max_tokens=3, **ignore), "A")
     engine.add_request([20, 21, 22, 23, 24, 25], SamplingParams(max_tokens=5, **ignore), "B")
     engine.add_request([30, 31], SamplingParams(max_tokens=2, **ignore), "C")
     while engine.has_unfinished():
         engine.step()
-    table = [
-        {seq.request_id: (seq.num_generated, seq.kv_tokens, seq.finished) for seq in step} for step in engine.trace
-    ]
+    table = [{seq.request_id: (seq.num_generated, seq.kv_tokens, seq.finished) for seq in step} for step in steps]
     assert table == [
         {"A": (1, 5, False), "B": (1, 7, False), "C": (1, 3, False)},
         {"A": (2, 6, False), "B": (2, 8, False), "C": (2, 4, True)},
@@ -364,11 +364,11 @@ def test_one_failing_sequence_fails_alone(tiny, monkeypatch):
 
     sample = runner.sample
 
-    def poisoned(logits: torch.Tensor, seqs: list[Sequence]):
+    def poisoned(logits: torch.Tensor, seqs: list[Sequence], scored: list):
         for i, seq in enumerate(seqs):
             if seq.request_id.startswith("nan") and len(seq.output_token_ids) == 2:
                 logits[i] = float("nan")
-        return sample(logits, seqs)
+        return sample(logits, seqs, scored)
 
     monkeypatch.setattr(runner, "sample", poisoned)
     got = run({**good, **bad})

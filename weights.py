@@ -24,7 +24,8 @@ from safetensors import safe_open
 from torch import nn
 
 from config import DEFAULT_MODEL
-from model import ModelConfig, Transformer, rope_inv_freq, tp_check, tp_split
+from model import ModelConfig, Transformer, rope_inv_freq
+from parallel import tp_check, tp_split
 from sequence import SamplingParams
 
 if TYPE_CHECKING:  # imported where it is used: --dummy-weights runs without it
@@ -305,7 +306,7 @@ def load_weights(
     path: str, dtype: torch.dtype = torch.float32, rank: int = 0, size: int = 1
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and state dict (HF Llama names, rotate-half Q/K rows) of a checkpoint, each tensor cast as it is
-    read; with size > 1, rank `rank`'s part of each (model.tp_split), sliced before the rest is read."""
+    read; with size > 1, rank `rank`'s part of each (parallel.tp_split), sliced before the rest is read."""
     found = _checkpoint_at(path)
     if found is None:
         raise FileNotFoundError(f"{path} is not a checkpoint (a .gguf file or an HF safetensors directory)")
@@ -422,7 +423,7 @@ def _load_gguf(path: str, dtype: torch.dtype, rank: int, size: int) -> tuple[Mod
 
 
 def _gguf_tensor(t: gguf.ReaderTensor, dtype: torch.dtype, split: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """A tensor dequantized, or only the part `split` names (model.tp_split): rows are cut from the
+    """A tensor dequantized, or only the part `split` names (parallel.tp_split): rows are cut from the
     memory-mapped file before dequantizing, and so are columns when the cut falls between quantization
     blocks; otherwise the tensor is dequantized whole, then cut."""
     from gguf import GGML_QUANT_SIZES
@@ -655,8 +656,8 @@ def dummy_weights(
     """Random weights of the real shapes (for benchmarking), drawn directly in `dtype` so peak memory is the model.
     Norm gains are ones and matrices N(0, 0.02) (the usual Llama init), which keeps activations finite through
     every layer; the outputs are meaningless. Drawing on the GPU (`device`) is far faster than on the CPU and skips
-    the host copy; the values then differ from the CPU ones for the same seed. A rank
-    of a tensor-parallel model draws every tensor whole and keeps its part (model.tp_split): any tp_size, one model."""
+    the host copy; the values then differ from the CPU ones for the same seed. A rank of a tensor-parallel model
+    draws every tensor whole and keeps its part (parallel.tp_split): any tp_size, one model."""
     tp_check(config, tp_size)
     generator = torch.Generator(device=device).manual_seed(seed)
     return {

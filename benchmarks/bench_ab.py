@@ -67,8 +67,8 @@ def worker(root: str, job: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     # Here, not at the top: a worker must not have imported this checkout's modules.
     from bench import _number  # positive numbers, as bench.py's
-    from cli import ArgumentParser
-    from config import EngineConfig, add_cli_args, from_cli_args
+    from cli import ArgumentParser, add_cli_args, from_cli_args
+    from config import EngineConfig
 
     p = ArgumentParser(prog="bench_ab.py", description=__doc__.split("\n\n")[0])
     p.add_argument("other", help="the other checkout's directory")

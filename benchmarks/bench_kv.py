@@ -13,8 +13,7 @@ import sys
 
 import torch
 
-from cli import ArgumentParser
-from config import add_cli_args, from_cli_args
+from cli import ArgumentParser, add_cli_args, from_cli_args
 from engine import LLM, SamplingParams
 from kv_cache import KV_CACHE_DTYPES
 from runner import StepBatch
@@ -62,8 +61,8 @@ def perplexity(llm: LLM, text: str, chunk: int) -> tuple[float, int]:
     try:
         while seq.num_computed_tokens < len(ids):
             n = min(chunk, len(ids) - seq.num_computed_tokens)
-            batch, _ = StepBatch.build([(seq, n)], llm.config.block_size)
-            batch.sample_rows = list(range(n))  # every position's logits, not only the last
+            batch, *_ = StepBatch.build([(seq, n)], llm.config.block_size)
+            batch.logits_indices = list(range(n))  # every position's logits, not only the last
             logits = llm.runner.forward([], [], batch).float().log_softmax(-1)
             begin = seq.num_computed_tokens
             targets = torch.tensor(ids[begin + 1 : begin + n + 1])

@@ -13,6 +13,7 @@ import pytest
 import cpu
 import cpu_matmul
 import weights
+from conftest import traced
 from engine import LLM, SamplingParams
 from model import ModelConfig
 
@@ -115,13 +116,14 @@ def test_64_lanes_sampling_together(families, model, mode, kv_cache_dtype):
     rng = random.Random(64)
     requests = [(random_prompt(rng, rng.randint(3, 60)), greedy(rng.randint(10, 16))) for _ in range(62)]
     requests += [(random_prompt(rng, 400), greedy(rng.randint(2, 6))) for _ in range(2)]
-    llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, trace=True, kv_cache_dtype=kv_cache_dtype)
+    llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype)
+    steps = traced(llm)
     assert len(llm.runner.kv_cache.layers[0]) == (2 if kv_cache_dtype == "auto" else 4)  # codes and scales
     together = run(llm, requests)
     assert any(
-        sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step) for step in llm.trace
+        sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step) for step in steps
     )
-    llm.trace.clear()
+    llm.on_step = None
     assert together == alone(llm, requests)
 
 

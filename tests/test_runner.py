@@ -37,7 +37,7 @@ def running(llm: LLM, request_id: str, num_tokens: int, num_computed: int) -> Se
 def test_graph_replay_samples_the_right_rows(tiny):
     # A graph computes every row of a decode-shaped step. A one-token prefill piece that does not reach its
     # prompt's end (reachable with prefix caching) samples nothing, so the rows after it must be picked by
-    # sample_rows, not taken in order. A stand-in for DecodeGraphs returns every row as a graph would.
+    # logits_indices, not taken in order. A stand-in for DecodeGraphs returns every row as a graph would.
     llm = engine(tiny)
     r = llm.runner
     a, b, c = running(llm, "a", 9, 8), running(llm, "b", 10, 5), running(llm, "c", 12, 11)
@@ -47,7 +47,9 @@ def test_graph_replay_samples_the_right_rows(tiny):
         sizes = [8]
 
         def run(self, ids, pos, meta):
-            return r.model(ids, pos, dataclasses.replace(meta, sample_rows=torch.arange(len(ids))), r.kv_cache.layers)
+            return r.model(
+                ids, pos, dataclasses.replace(meta, logits_indices=torch.arange(len(ids))), r.kv_cache.layers
+            )
 
     eager = r.run(scheduled)
     r.graphs = EveryRow()
@@ -176,7 +178,8 @@ def test_profile_covers_the_worst_steps(tiny, kv_cache_dtype):
     for step in (chunk, after_cached, decodes):
         ids, pos, meta = StepBatch.build(step, r.config.block_size)[0].to_device(r.device)
         scratch = [tuple(t[:1] for t in layer) for layer in r.kv_cache.layers]  # one block, as on the GPU
-        assert r.model(ids, pos, meta, scratch).shape == (len(step), llm.model_config.vocab_size)
+        # Every row has logits, as for a request asking for prompt logprobs: the largest LM head a step runs.
+        assert r.model(ids, pos, meta, scratch).shape == (sum(n for _, n in step), llm.model_config.vocab_size)
 
 
 def test_8_bit_kv_cache_holds_about_twice_bfloat16s_tokens(smollm2_shapes):

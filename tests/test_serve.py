@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import weights
-from config import EngineConfig, add_cli_args, from_cli_args
+from cli import add_cli_args, from_cli_args
+from config import EngineConfig
 from conftest import serving, serving_tiny
 from serve import Server, main, sampling_note
 from tokenizer import read_chat_template
@@ -1353,11 +1354,11 @@ def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypat
 
     sample = runner.sample
 
-    def poisoned(logits, seqs):
+    def poisoned(logits, seqs, scored):
         for i, seq in enumerate(seqs):
             if seq.params.seed == 13 and len(seq.output_token_ids) == 3:
                 logits[i] = float("nan")
-        return sample(logits, seqs)
+        return sample(logits, seqs, scored)
 
     monkeypatch.setattr(runner, "sample", poisoned)
 

@@ -10,7 +10,9 @@ from collections import defaultdict
 
 import pytest
 
-from config import EngineConfig, add_cli_args, from_cli_args
+from cli import add_cli_args, from_cli_args
+from config import EngineConfig
+from conftest import traced
 from engine import LLM, SamplingParams
 from speculation import NgramIndex
 
@@ -163,10 +165,11 @@ def test_drafts_only_in_spare_rows(smollm2_shapes):
     # Lanes share DRAFT_ROWS: one lane drafts up to num_speculative_tokens, eight or more decoding lanes none.
     import speculation
 
-    llm = engine(smollm2_shapes, 6, trace=True)
+    llm = engine(smollm2_shapes, 6)
+    steps = traced(llm)
     llm.generate([looping(random.Random(1), 30)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    assert max(s.num_new_tokens for step in llm.trace[1:] for s in step) == 7
-    llm = engine(smollm2_shapes, 6, trace=True)
+    assert max(s.num_new_tokens for step in steps[1:] for s in step) == 7
+    llm = engine(smollm2_shapes, 6)
     rng = random.Random(2)
     llm.generate(
         [looping(rng, 30) for _ in range(speculation.DRAFT_ROWS)],

@@ -16,7 +16,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import weights
-from model import ModelConfig, tp_split
+from model import ModelConfig
+from parallel import tp_split
 from weights import DEFAULT_MODEL, PRESETS, dummy_weights, load_weights, resolve_checkpoint
 
 SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
