@@ -4,6 +4,7 @@ is openai_api.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hmac
 import importlib.metadata
@@ -258,6 +259,9 @@ class Handler(RequestHandler):
             ([None], [openai_api.chat_prompt(body, engine)]) if chat else openai_api.completion_prompts(body, engine)
         )
         echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in sent]
+        echo_logprobs = echo and body.get("logprobs") is not None  # the echoed prompt's tokens carry logprobs
+        scoring_only = echo and body.get("max_tokens") == 0  # its one generated token is not reported
+        asked_prompt_logprobs = body.get("prompt_logprobs") is not None
         # Tool calls: the reply's text is parsed when finished; while streamed, text that may be a call is held back.
         calling = openai_api.tool_choice(body) if chat else None
         names = [t["function"]["name"] for t in openai_api.tools(body) or []] if chat else []
@@ -298,6 +302,8 @@ class Handler(RequestHandler):
                 streaming = True
             while not all(o and o[-1].finished for o in outputs):
                 out = self._next(job.replies, deadline)
+                if scoring_only:
+                    out = dataclasses.replace(out, token_ids=[], text="", delta="", logprob=None)
                 i, before = index[out.request_id], outputs[index[out.request_id]]
                 first = not before
                 before.append(out)  # counted by a continuous usage from this chunk on
@@ -319,7 +325,10 @@ class Handler(RequestHandler):
                         )
                     )
                 if stream and echo and first:
-                    self._event(chunk([openai_api.choice(engine, chat, True, i, echoed[i // n], [], None)]))
+                    prompt_lps = openai_api.echoed_logprobs(out) if echo_logprobs else []
+                    choice = openai_api.choice(engine, chat, True, i, echoed[i // n], prompt_lps, None)
+                    self._event(chunk([choice]))
+                    offsets[i] += sum(map(len, choice["logprobs"]["tokens"])) if prompt_lps else 0
                 lps = held[i] = held[i] + lps
                 if stream and not out.finished and openai_api.maybe_call(out.text, calling):
                     continue  # held back, text and logprobs, until it is a call or turns out to be text
@@ -338,26 +347,25 @@ class Handler(RequestHandler):
             if usage_chunk:
                 self._event({**head, "choices": [], "usage": usage})
             elif not stream:
-                self._send(
-                    200,
-                    {
-                        **head,
-                        "usage": usage,
-                        "choices": [
-                            openai_api.choice(
-                                engine,
-                                chat,
-                                False,
-                                i,
-                                echoed[i // n] + o[-1].text,
-                                [x.logprob for x in o if x.logprob is not None],
-                                o[-1],
-                                calls=openai_api.parse_calls(o[-1].text, calling, names),
-                            )
-                            for i, o in enumerate(outputs)
-                        ],
-                    },
-                )
+                choices = [
+                    openai_api.choice(
+                        engine,
+                        chat,
+                        False,
+                        i,
+                        echoed[i // n] + o[-1].text,
+                        (openai_api.echoed_logprobs(o[-1]) if echo_logprobs else [])
+                        + [x.logprob for x in o if x.logprob is not None],
+                        o[-1],
+                        calls=openai_api.parse_calls(o[-1].text, calling, names),
+                    )
+                    for i, o in enumerate(outputs)
+                ]
+                scored = [openai_api.prompt_logprobs(engine, o[-1]) if asked_prompt_logprobs else None for o in outputs]
+                # vLLM's places: each completion choice's, a chat reply's (its one prompt)
+                choices = [c | ({} if chat else {"prompt_logprobs": p}) for c, p in zip(choices, scored)]
+                reply = {**head, "usage": usage, "choices": choices}
+                self._send(200, reply | ({"prompt_logprobs": scored[0]} if chat else {}))
         except ApiError as e:
             if not streaming:
                 raise

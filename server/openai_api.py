@@ -44,6 +44,7 @@ SAMPLING_FIELDS = {
     "guided_choice": "array",
     "guided_grammar": "string",
     "cache_salt": "string",
+    "prompt_logprobs": "integer",  # vLLM's
     "user": "string",
 }  # user: the client's own end-user id, for its records; changes nothing here
 FIELDS = {
@@ -299,6 +300,9 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
     max_tokens = get(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
         max_tokens = get(body, "max_tokens", int)
+    echo = not chat and get(body, "echo", bool, False)
+    if echo and max_tokens == 0:  # scores the prompt alone: the one token generated is not reported (scoring_only)
+        max_tokens = 1
     if max_tokens is None:  # OpenAI's defaults: all the room left for chat, 16 for completions
         room = min(engine.max_model_len, engine.block_manager.num_blocks * engine.block_manager.block_size)
         max_tokens = max(1, room - prompt_len) if chat else 16
@@ -335,6 +339,9 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
         logprobs = top if wanted else None
     else:
         logprobs = get(body, "logprobs", int)
+    prompt_logprobs = get(body, "prompt_logprobs", int)
+    if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too, as OpenAI's and vLLM's
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     seed = get(body, "seed", int)
     bias, stop_ids = get(body, "logit_bias", dict, {}), get(body, "stop_token_ids", list, [])
     vocab = engine.model_config.vocab_size
@@ -363,6 +370,7 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
             presence_penalty=get(body, "presence_penalty", float, 0.0),
             frequency_penalty=get(body, "frequency_penalty", float, 0.0),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             stop_token_ids=stop_ids,
             min_tokens=get(body, "min_tokens", int, 0),
             repetition_penalty=get(body, "repetition_penalty", float, d.get("repetition_penalty", 1.0)),
@@ -429,10 +437,31 @@ def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) 
     return {
         "tokens": tokens,
         "token_logprobs": [x.logprob for x in lps],
-        # The sampled token's always, as OpenAI documents: up to logprobs + 1 entries.
-        "top_logprobs": [{text: x.logprob, **{tok.decode([t]): lp for t, lp in x.top}} for text, x in zip(tokens, lps)],
+        # The chosen token's always, as OpenAI documents: up to logprobs + 1 entries (an echoed prompt's first: null).
+        "top_logprobs": [
+            None if x.logprob is None else {text: x.logprob, **{tok.decode([t]): lp for t, lp in x.top}}
+            for text, x in zip(tokens, lps)
+        ],
         "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)),
     }
+
+
+def echoed_logprobs(out: RequestOutput) -> list[TokenLogprob]:
+    """An echoed prompt's logprobs, in the shape of generated tokens': the first token has none."""
+    return [TokenLogprob(out.prompt_token_ids[0], None, [], None), *out.prompt_logprobs]
+
+
+def prompt_logprobs(engine: Engine, out: RequestOutput) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {logprob, rank, decoded_token}}
+    for the token itself and the top k."""
+    tok = engine.tokenizer
+    return [None] + [
+        {
+            str(t): {"logprob": lp, "rank": rank, "decoded_token": tok.decode([t])}
+            for t, lp, rank in [(x.token_id, x.logprob, x.rank)] + [(t, lp, k + 1) for k, (t, lp) in enumerate(x.top)]
+        }
+        for x in out.prompt_logprobs
+    ]
 
 
 def choice(
@@ -468,17 +497,16 @@ def choice(
 
 def reply_options(body: dict, names: list[str]) -> tuple[int, bool, bool, bool, bool]:
     """A generation request's n, stream, echo, whether a usage chunk ends its stream and whether every chunk carries
-    the usage so far (vLLM's continuous_usage_stats), each checked; so are the model it names (one of names) and
-    echo's logprobs (not supported)."""
+    the usage so far (vLLM's continuous_usage_stats), each checked; so is the model it names (one of names)."""
     echo = get(body, "echo", bool, False)
-    if echo and body.get("logprobs") is not None:
-        raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo")
     check_model(body, names)
     n = get(body, "n", int, 1)
     if not 1 <= n <= 128:
         raise ApiError(400, "'n' must be in [1, 128]", "n")
     get(body, "user", str)  # the client's own end-user id: checked, then unused
     stream = get(body, "stream", bool, False)
+    if stream and body.get("prompt_logprobs") is not None:  # as vLLM
+        raise ApiError(400, "'prompt_logprobs' is not available when 'stream' is true", "prompt_logprobs")
     options = get(body, "stream_options", dict, {})
     if body.get("stream_options") is not None and not stream:
         raise ApiError(400, "'stream_options' is only for streamed requests ('stream': true)", "stream_options")

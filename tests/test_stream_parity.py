@@ -282,10 +282,11 @@ def requests(draw, chat: bool, tiny: bool, tight: bool = False) -> dict:
         if draw(st.booleans()):
             body["logprobs"] = True
             body["top_logprobs"] = draw(st.integers(0, 3))
-    elif draw(st.booleans()):
-        body["logprobs"] = draw(st.integers(0, 3))
-    elif draw(st.integers(0, 2)) == 0:
-        body["echo"] = True  # echo takes no logprobs here (no prompt logprobs)
+    else:
+        if draw(st.booleans()):
+            body["logprobs"] = draw(st.integers(0, 3))
+        if draw(st.integers(0, 2)) == 0:
+            body["echo"] = True  # with logprobs, the prompt's tokens' too
     if draw(st.booleans()):
         body["skip_special_tokens"] = draw(st.booleans())
     if draw(st.integers(0, 2)) == 0:
