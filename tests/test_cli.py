@@ -63,3 +63,11 @@ def test_underscores_are_dashes_in_flag_names_only():
 def test_a_bad_value_is_still_one_line(capsys):
     lines = refusal(serve.main, ["--max_num_seqs", "x"], capsys)
     assert lines == ["serve.py: error: argument --max-num-seqs: invalid int value: 'x'"]
+
+
+@pytest.mark.parametrize("main, prog", [(serve.main, "serve.py"), (bench.main, "bench.py")])
+def test_a_flag_that_cannot_act_alone_is_refused_with_what_to_add(main, prog, capsys):
+    *_, error = refusal(main, ["--prefix-cache-isolation"], capsys)
+    assert error == (
+        f"{prog}: error: --prefix-cache-isolation acts on the prefix cache: add --enable-prefix-caching"
+    ), error
