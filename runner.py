@@ -12,6 +12,7 @@ import torch
 
 import cpu
 import parallel
+import structured
 import weights
 from config import EngineConfig
 from cuda_graphs import DecodeGraphs
@@ -263,6 +264,7 @@ class ModelRunner:
         next token, and the token after each of its drafts. Failing is fatal under tensor parallelism
         (WorkerFailure)."""
         batch, sampled, scored = StepBatch.build(scheduled, self.config.block_size) if scheduled else (None, [], [])
+        masks = structured.masks(sampled, self.model_config.vocab_size)  # computed while the model runs
         try:
             if self.tp:
                 self.tp.broadcast((swap_out, swap_in, batch))
@@ -271,7 +273,7 @@ class ModelRunner:
             if self.tp:
                 raise self.tp.fail(e) from e
             raise
-        return sample(logits, sampled, scored) if batch else []
+        return sample(logits, sampled, scored, masks) if batch else []
 
     def forward(
         self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], batch: StepBatch | None

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from sequence import Sequence
-from structured import mask
+from structured import Masks
 
 HEAD = 64  # a row's likeliest tokens, where top-k, min-p and top-p look first: a fixed count, so a fixed shape
 TOP_LOGPROBS = 20  # top logprobs come from one topk of this size for every row (SamplingParams' most), then cut
@@ -36,14 +36,19 @@ class Sampled:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the prompt tokens this step scored
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], scored: list[tuple[Sequence, list[int]]] = ()) -> list[Sampled]:
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    scored: list[tuple[Sequence, list[int]]] = (),
+    masks: Masks | None = None,
+) -> list[Sampled]:
     """logits: each sequence's row, then its draft rows (speculation.py), then the rows of `scored`, each scoring
     a prompt token (prompt_logprobs). A draft row is sampled as if the drafts before it had been emitted: its
     penalties, min_tokens and random number see them. Plain greedy rows take the first maximal index (widening
-    bfloat16 first changes no order)."""
+    bfloat16 first changes no order). masks: the grammars' (structured.masks)."""
     rows = [(s, j) for s in seqs for j in range(len(s.draft) + 1)]
     n, k = len(rows), TOP_LOGPROBS
-    x = _process(logits[:n], rows)
+    x = _process(logits[:n], rows, masks)
     best = x.max(dim=-1)  # NaN anywhere in a row makes its max NaN
     tokens = best.indices
     drawn = [r for r, (s, _) in enumerate(rows) if s.params.temperature]
@@ -88,16 +93,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], scored: list[tuple[Sequen
     return out + [Sampled(s, [], [], [], lps) for s, lps in prompt.items()]
 
 
-def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Tensor:
+def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]], masks: Masks | None) -> torch.Tensor:
     """The logits in float32 as each row's request asks: stop tokens banned before min_tokens, logit_bias added,
     then vLLM's repetition penalty, OpenAI's presence and frequency penalties, and the grammar's mask. Each rule
     touches only the (row, token) entries listed for its row, gathered on the host into one flat index per rule."""
     vocab = logits.shape[-1]
     ban, bias, repeat, penalty = [], [], [], []  # flat indices row * vocab + token (with their values)
-    grammars = []  # (matcher, its sequence's first row, the drafts whose rows follow)
     for r, (seq, drafted) in enumerate(rows):
         p, base = seq.params, r * vocab
-        grammars += [(seq.grammar, r, seq.draft)] if seq.grammar and not drafted else []
         if seq.num_tokens - seq.num_prompt_tokens + drafted < p.min_tokens:
             ban += [base + t for t in seq.stop_ids]
         bias += [(base + t, b) for t, b in p.logit_bias.items()]
@@ -109,7 +112,7 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
         if p.presence_penalty or p.frequency_penalty:
             counts = np.unique(out, return_counts=True) if out else ([], [])
             penalty += [(base + t, p.frequency_penalty * c + p.presence_penalty) for t, c in zip(*counts)]
-    if not (ban or bias or repeat or penalty or grammars):
+    if not (ban or bias or repeat or penalty or masks):
         return logits.float()
     x = logits.float().clone()
     flat, dev = x.view(-1), x.device
@@ -124,8 +127,8 @@ def _process(logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> torch.Te
             at, value = zip(*pairs)
             at = to_device(list(at), torch.int64, dev)
             flat[at] = rule(flat[at], to_device(list(value), x.dtype, dev))
-    if grammars:
-        mask(x, grammars)
+    if masks:
+        masks.apply(x)
     return x
 
 

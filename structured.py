@@ -6,6 +6,7 @@ emitted. A mask depends on the sequence's own grammar and output alone: lanes st
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 
@@ -84,16 +85,44 @@ class Matcher:
 
 
 _threads: llguidance.LLExecutor | None = None  # llguidance's own, made at the first mask
+_worker = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")  # waits on llguidance while the model runs
 
 
-def mask(logits: torch.Tensor, grammars: list[tuple[Matcher, int, list[int]]]) -> None:
-    """-inf at every token a grammar forbids. Each (matcher, row, draft) masks logits' row (its sequence's next token)
-    and the draft's rows after it, row + j as if draft[:j] had been emitted; once a draft is one the grammar refuses,
-    the rows after it are left as they are (unreachable: the token before cannot equal that draft), and the matcher
-    ends where it began. llguidance computes every row on its own threads, the GIL released."""
+class Masks:
+    """A step's grammar masks, computed while the model runs: started before the forward pass, on llguidance's
+    threads with the GIL released, and applied by the sampler. Each (matcher, row, draft) masks its sequence's row
+    (its next token) and the draft's rows after it, row + j as if draft[:j] had been emitted; once a draft is one
+    the grammar refuses, the rows after it are left as they are (unreachable: the token before cannot equal that
+    draft), and the matcher ends where it began."""
+
+    def __init__(self, grammars: list[tuple[Matcher, int, list[int]]], num_rows: int, vocab_size: int):
+        self.rows = [r + j for _, r, d in grammars for j in range(len(d) + 1)]
+        self.forbidden = _worker.submit(_forbidden, grammars, self.rows, num_rows, vocab_size)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """-inf at every token a grammar forbids."""
+        forbidden = self.forbidden.result().to(logits.device)
+        if len(self.rows) == len(logits):  # every row, in order: in place, without gathering them first
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            logits[self.rows] = logits[self.rows].masked_fill(forbidden, float("-inf"))
+
+
+def masks(seqs: list, vocab_size: int) -> Masks | None:
+    """The masks of a step sampling seqs (sequence.Sequence), each a row and then a row per draft token; None when
+    none has a grammar."""
+    grammars, row = [], 0
+    for seq in seqs:
+        grammars += [(seq.grammar, row, seq.draft)] if seq.grammar else []
+        row += 1 + len(seq.draft)
+    return Masks(grammars, row, vocab_size) if grammars else None
+
+
+def _forbidden(grammars: list[tuple[Matcher, int, list[int]]], rows: list[int], num_rows: int, vocab_size: int):
+    """[len(rows), vocab_size] True where a row's grammar forbids the token; every row computed on its own."""
     global _threads
     _threads = _threads or llguidance.LLExecutor(os.cpu_count())  # its default takes 80% of the cores
-    bits = torch.full((logits.shape[0], (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)  # -1: all allowed
+    bits = torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)  # -1: all allowed
     plain, drafted = [(m.matcher, r) for m, r, d in grammars if not d], [(m.matcher, r, d) for m, r, d in grammars if d]
     # Into bits' memory directly (llguidance.torch wraps the same calls, but its import sets up torch.compile).
     size = (bits.data_ptr(), bits.shape[1] * 4, bits.shape[0])
@@ -101,12 +130,7 @@ def mask(logits: torch.Tensor, grammars: list[tuple[Matcher, int, list[int]]]) -
         _threads.unsafe_compute_mask_ptr(plain, *size)
     if drafted:
         _threads.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
-    # Only the grammars' rows are unpacked and filled. A mask's bit t % 32 of word t // 32 is token t: its bytes in
+    # Only the grammars' rows are unpacked. A mask's bit t % 32 of word t // 32 is token t: its bytes in
     # little-endian order, unpacked least significant bit first.
-    rows = [r + j for _, r, d in grammars for j in range(len(d) + 1)]
-    allowed = np.unpackbits(bits[rows].numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-    forbidden = torch.from_numpy(allowed == 0).to(logits.device)
-    if len(rows) == len(logits):  # every row, in order: in place, without gathering them first
-        logits.masked_fill_(forbidden, float("-inf"))
-    else:
-        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
+    allowed = np.unpackbits(bits[rows].numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(allowed == 0)

@@ -364,11 +364,11 @@ def test_one_failing_sequence_fails_alone(tiny, monkeypatch):
 
     sample = runner.sample
 
-    def poisoned(logits: torch.Tensor, seqs: list[Sequence], scored: list):
+    def poisoned(logits: torch.Tensor, seqs: list[Sequence], *rest):
         for i, seq in enumerate(seqs):
             if seq.request_id.startswith("nan") and len(seq.output_token_ids) == 2:
                 logits[i] = float("nan")
-        return sample(logits, seqs, scored)
+        return sample(logits, seqs, *rest)
 
     monkeypatch.setattr(runner, "sample", poisoned)
     got = run({**good, **bad})
@@ -437,7 +437,7 @@ def test_repetition_penalty_is_vllms():
 
     seq = Sequence("r", [0, 1], SamplingParams(repetition_penalty=2.0))
     seq.token_ids.append(3)
-    got = _process(torch.tensor([[2.0, -1.0, 3.0, 0.5]]), [(seq, 0)])
+    got = _process(torch.tensor([[2.0, -1.0, 3.0, 0.5]]), [(seq, 0)], None)
     assert got.tolist() == [[1.0, -2.0, 3.0, 0.25]]
 
 

@@ -1354,11 +1354,11 @@ def test_a_failing_lane_among_64_streams_with_disconnects(tiny_server, monkeypat
 
     sample = runner.sample
 
-    def poisoned(logits, seqs, scored):
+    def poisoned(logits, seqs, *rest):
         for i, seq in enumerate(seqs):
             if seq.params.seed == 13 and len(seq.output_token_ids) == 3:
                 logits[i] = float("nan")
-        return sample(logits, seqs, scored)
+        return sample(logits, seqs, *rest)
 
     monkeypatch.setattr(runner, "sample", poisoned)
 
