@@ -1,6 +1,7 @@
-"""Measurement: the throughput/latency curve over concurrency, goodput at an SLO, continuous vs static batching,
-offline throughput and, on request, a mixed short/long probe, against any OpenAI-compatible server (the attention
-kernel has its own, bench_kernel.py).
+"""Measurement: the throughput/latency curve over concurrency (or, as vLLM's benchmark_serving, over request rates),
+goodput at an SLO, continuous vs static batching, offline throughput and, on request, a mixed short/long probe,
+against any OpenAI-compatible server (the attention kernel has its own, bench_kernel.py). Also the `laneserve`
+command: `laneserve serve` and `laneserve bench`.
 
 Every number is taken from outside, as a user sees it: streamed over real HTTP, TTFT at the first content
 chunk, ITL between content chunks, token counts from the server's usage. Every run stops by itself: each phase
@@ -30,9 +31,10 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
+import serve
 from benchmarks import bench_plot
-from cli import ArgumentParser
-from config import DEFAULT_MODEL, EngineConfig, add_cli_args, from_cli_args
+from cli import ArgumentParser, add_cli_args, from_cli_args
+from config import DEFAULT_MODEL, EngineConfig
 from engine import LLM, SamplingParams
 from serve import Server
 
@@ -57,6 +59,7 @@ METRICS = (
     ("e2el", "E2EL", "End-to-end Latency"),
 )
 STATS = (("mean", "Mean"), ("p50", "Median"), ("p95", "P95"), ("p99", "P99"))
+VOCAB = 10000  # random prompts' token ids are below this: every preset's vocabulary is larger
 SERVE_URL = "http://127.0.0.1:8000"  # where serve.py (and vLLM) listen by default
 # --quick: a first look in under a minute on a small CPU; flags given explicitly still win.
 QUICK = {
@@ -79,6 +82,9 @@ clients, each sending its requests one after another.
 (default: the first the server lists). Without --base-url (the default) bench.py serves --model itself, set up
 by the engine flags below, on a free loopback port, and measures it from a separate client process; a server
 running on {SERVE_URL} is then not measured.
+
+--request-rate R (an open loop, as vLLM's benchmark_serving) replaces the sweep: --num-prompts random prompts,
+sent at R requests a second (Poisson arrivals; --burstiness for gamma) whether or not earlier ones are done.
 
 --quick: concurrency 1 and 4, {QUICK["max_tokens"]} tokens, one request per client: under a minute on a 2-core CPU.
 The full default sweep (1, 4, 16, 64 clients) takes up to --time-limit. --mixed-probe adds the mixed short/long
@@ -121,8 +127,17 @@ def _number(kind: type, zero_ok: bool = False, most: float = math.inf):
     return parse
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = ArgumentParser(prog="bench.py", usage=USAGE, formatter_class=_Help, description=DESCRIPTION)
+def _rate(text: str) -> float:
+    """--request-rate: requests a second, or inf (every request at once)."""
+    try:
+        return math.inf if text.lower() in ("inf", "infinity") else _number(float)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text} is not a rate: a number > 0, or inf") from None
+
+
+def parse_args(argv: list[str] | None, prog: str = "bench.py") -> argparse.Namespace:
+    usage = USAGE.replace("bench.py", prog)
+    p = ArgumentParser(prog=prog, usage=usage, formatter_class=_Help, description=DESCRIPTION)
     a, pos, num, count = p.add_argument, _number(int), _number(float), _number(int, zero_ok=True)
     a("--base-url", help=f"measure this running OpenAI-compatible server (e.g. {SERVE_URL}) instead of starting one")
     a(
@@ -192,7 +207,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="--mixed-probe: short requests (0, without --mixed-probe: no probe, as the default)",
     )
     a("--mixed-num-long", type=pos, default=4, help="--mixed-probe: long requests")
-    a("--num-prompts", type=pos, default=256, help="--offline: sequences")
+    a(
+        "--request-rate",
+        type=_rate,
+        nargs="+",
+        metavar="R",
+        help="the open loop instead of the sweep, one level per rate: requests a second, or inf (all at once); "
+        "arrival gaps drawn from Gamma(burstiness, 1 / (R * burstiness)), seeded by --seed",
+    )
+    a("--burstiness", type=num, default=1.0, help="--request-rate: 1 is Poisson, below 1 burstier, above steadier")
+    a(
+        "--random-input-len",
+        type=pos,
+        default=1024,
+        help="--request-rate: prompt tokens, sent as random token ids to /v1/completions (exact for any server "
+        "that takes token-id prompts, as vLLM's and OpenAI's API do)",
+    )
+    a("--random-output-len", type=pos, default=128, help="--request-rate: output tokens (ignore_eos)")
+    a(
+        "--random-range-ratio",
+        type=_number(float, zero_ok=True, most=1),
+        default=0.0,
+        help="--request-rate: each length uniform in [len * (1 - ratio), len * (1 + ratio)]",
+    )
+    a("--num-prompts", type=pos, default=256, help="prompts to process: --offline's, or the open loop's per rate")
     a("--min-len", type=pos, default=100, help="--offline: shortest prompt and output, tokens")
     a("--max-len", type=pos, default=1024, help="--offline: longest prompt and output, tokens")
     a("--time-limit", type=num, default=540, help="seconds for the whole run, model loading included")
@@ -222,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     def changed(*names: str) -> list[str]:  # the flags among these given a value other than their default
         return [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != p.get_default(k)]
 
-    offline_only = changed("num_prompts", "min_len", "max_len")
+    offline_only = changed("min_len", "max_len") + ([] if args.request_rate else changed("num_prompts"))
     online_only = [
         flag
         for flag, given in (
@@ -231,14 +269,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ("--slo-tpot", args.slo_tpot),
             ("--plot", args.plot),
             ("--mixed-probe", args.mixed_probe),
+            ("--request-rate", args.request_rate),
         )
         if given
     ]
-    if args.offline and online_only or not args.offline and offline_only:
-        p.error(
-            f"{', '.join(online_only if args.offline else offline_only)}: not for "
-            f"{'--offline' if args.offline else 'the sweep (those are --offline knobs)'}"
-        )
+    open_only = changed("burstiness", "random_input_len", "random_output_len", "random_range_ratio")
+    closed_only = changed("concurrency", "requests_per_client", "max_tokens", "workload")
+    if args.offline:
+        mode, wrong = "--offline", online_only + open_only
+    elif args.request_rate:  # --plot draws its curve per client count
+        mode, wrong = "--request-rate (the open loop)", offline_only + closed_only + (["--plot"] if args.plot else [])
+    else:
+        mode, wrong = "the sweep (those are --offline's or --request-rate's)", offline_only + open_only
+    if wrong:
+        p.error(f"{', '.join(wrong)}: not for {mode}")
     # The probe's sizes without the probe: a mistake, except --mixed-num-short 0 (how the probe was turned off).
     probe_sizes = changed("mixed_short", "mixed_long", "mixed_num_long") + (
         changed("mixed_num_short") if args.mixed_num_short else []
@@ -247,12 +291,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"{', '.join(probe_sizes)}: the mixed probe's sizes; the probe runs only with --mixed-probe")
     if args.mixed_probe and not args.mixed_num_short:
         p.error("--mixed-probe needs short requests (--mixed-num-short > 0)")
-    # --model stays: with --base-url it names the model to request.
-    engine_only = changed(*(f.name for f in fields(EngineConfig) if "help" in f.metadata and f.name != "model"))
+    # --model and --seed stay: with --base-url they name the model to request and seed the open loop.
+    knobs = (f.name for f in fields(EngineConfig) if "help" in f.metadata and f.name not in ("model", "seed"))
+    engine_only = changed(*knobs)
     if args.base_url and engine_only:
         p.error(f"{', '.join(engine_only)}: not for --base-url (those set up the in-process server's engine)")
-    if len(set(args.concurrency)) < len(args.concurrency):
-        p.error(f"--concurrency: each level once, got {' '.join(map(str, args.concurrency))}")
+    for flag, values in (("--concurrency", args.concurrency), ("--request-rate", args.request_rate or [])):
+        if len(set(values)) < len(values):
+            p.error(f"{flag}: each level once, got {' '.join(f'{v:g}' for v in values)}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):  # found out now, not after the run
         if path and (os.path.isdir(path) or not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK)):
             p.error(f"{flag}: cannot write {path} (a directory, or its directory is missing or read-only)")
@@ -410,13 +456,14 @@ class Client:
             writer.close()
 
 
-async def stream_one(client: Client, model: str, req: Request, prompt: str, args, t0: float) -> None:
-    """Fill req in place, so that a request cancelled at a time limit keeps what it measured."""
+async def stream_one(client: Client, model: str, req: Request, prompt: str | list[int], args, t0: float) -> None:
+    """Fill req in place, so that a request cancelled at a time limit keeps what it measured. A text prompt is
+    a chat message; token ids go to /v1/completions as they are."""
     req.start = time.perf_counter() - t0
-    usage, last = None, 0.0
+    usage, last, ids = None, 0.0, isinstance(prompt, list)
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        **({"prompt": prompt} if ids else {"messages": [{"role": "user", "content": prompt}]}),
         "max_tokens": req.max_tokens,
         "temperature": args.temperature,
         "stream": True,
@@ -427,14 +474,15 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str, args
     }
     try:
         async with asyncio.timeout(args.request_timeout):
-            async for chunk in client.events("/chat/completions", body):
+            async for chunk in client.events("/completions" if ids else "/chat/completions", body):
                 now = time.perf_counter() - t0
                 if not isinstance(chunk, dict):
                     raise HTTPError(f"not an OpenAI chunk: {chunk!r:.100}")
                 if "error" in chunk:
                     e = chunk["error"]
                     raise HTTPError(e.get("message", str(e)) if isinstance(e, dict) else str(e))
-                if chunk.get("choices") and ((chunk["choices"][0] or {}).get("delta") or {}).get("content"):
+                choice = (chunk.get("choices") or [None])[0] or {}
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     if req.ttft is None:
                         req.ttft = now - req.start
                     else:
@@ -534,10 +582,45 @@ def summarize(reqs: list[Request], duration: float, args) -> dict:
     return m
 
 
-async def run_level(client, model: str, args, concurrency: int, until: float, label: str) -> dict:
-    """Closed loop: `concurrency` clients, each sending --requests-per-client requests one after another."""
+def arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """vLLM's open loop: the send times of n requests in seconds, the first at 0, the gaps drawn from
+    Gamma(shape=burstiness, scale=1 / (rate * burstiness)): a mean of 1 / rate, a variance of 1 / (burstiness *
+    rate**2) (burstiness 1: Poisson). An infinite rate sends every request at 0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), n - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def random_prompts(seed: int, n: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], vocab: int):
+    """n prompts of random token ids below vocab, and their output lengths, each length uniform in its (lowest,
+    highest): --offline's workload, and the open loop's (as vLLM's random dataset)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
+    return prompts, [rng.randint(*output_lens) for _ in range(n)]
+
+
+def levels(args) -> tuple[str, list]:
+    """What the sweep's levels vary, and their values: request rates (the open loop) or client counts."""
+    return ("request_rate", args.request_rate) if args.request_rate else ("concurrency", args.concurrency)
+
+
+def level_name(args, value) -> str:
+    return f"{value:g} req/s" if args.request_rate else clients(value)
+
+
+async def run_level(client, model: str, args, level: float, until: float, label: str) -> dict:
+    """Closed loop: `level` clients, each sending --requests-per-client requests one after another. Open loop
+    (--request-rate): --num-prompts random prompts sent at `level` requests a second, whether or not the earlier
+    ones are done."""
+    if args.request_rate:
+        r, total = args.random_range_ratio, args.num_prompts
+        spans = [(max(1, int(n * (1 - r))), int(n * (1 + r))) for n in (args.random_input_len, args.random_output_len)]
+        work = zip(arrivals(total, level, args.burstiness, args.seed), *random_prompts(args.seed, total, *spans, VOCAB))
+    else:
+        total = level * args.requests_per_client
     t0, reqs = time.perf_counter(), []
-    bar = Progress(f"{label}, {clients(concurrency)}", concurrency * args.requests_per_client)
+    bar = Progress(f"{label}, {level_name(args, level)}", total)
 
     async def client_loop(c: int) -> None:
         for k in range(args.requests_per_client):
@@ -548,6 +631,12 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
             await stream_one(client, model, r, prompt.format(i=c * args.requests_per_client + k), args, t0)
             bar.update()
 
+    async def arrive(at: float, prompt: list[int], max_tokens: int) -> None:
+        await asyncio.sleep(at - (time.perf_counter() - t0))
+        reqs.append(r := Request("sweep", max_tokens))
+        await stream_one(client, model, r, prompt, args, t0)
+        bar.update()
+
     async def watch_server() -> None:  # what the server says it runs: its batch size and preemptions
         while True:
             samples.append(await client.server_metrics())
@@ -555,7 +644,8 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
 
     samples: list[dict[str, float]] = []
     watcher = asyncio.ensure_future(watch_server())
-    complete = await run_until([client_loop(c) for c in range(concurrency)], until)
+    senders = [arrive(*w) for w in work] if args.request_rate else [client_loop(c) for c in range(level)]
+    complete = await run_until(senders, until)
     duration = time.perf_counter() - t0
     watcher.cancel()
     await asyncio.gather(watcher, return_exceptions=True)
@@ -565,7 +655,7 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
     except (OSError, TimeoutError, ValueError):
         pass
     bar.close("" if complete else "(time limit: partial)")
-    complete = complete and len(reqs) == concurrency * args.requests_per_client  # a client stopped by the limit
+    complete = complete and len(reqs) == total  # a client stopped by the limit
     metrics = summarize(reqs, duration, args)
     running = [m["vllm:num_requests_running"] for m in samples if "vllm:num_requests_running" in m]
     preempted = [m["vllm:num_preemptions_total"] for m in samples if "vllm:num_preemptions_total" in m]
@@ -585,7 +675,8 @@ async def run_level(client, model: str, args, concurrency: int, until: float, la
         "server_preemptions": int(preempted[-1] - preempted[0]) if preempted else None,
     }
     return {
-        "concurrency": concurrency,
+        levels(args)[0]: level,
+        **({"burstiness": args.burstiness} if args.request_rate else {}),
         "partial": not complete,
         "metrics": metrics,
         "requests": [asdict(r) for r in reqs],
@@ -629,10 +720,11 @@ def pick_goodput(sweep: list[dict], args) -> dict | None:
     if not (args.slo_ttft or args.slo_tpot):
         return None
     best = max((lv for lv in sweep if lv["metrics"]["goodput"]), key=lambda lv: lv["metrics"]["goodput"], default=None)
+    key = levels(args)[0]
     return {
         "slo_ttft_ms": args.slo_ttft,
         "slo_tpot_ms": args.slo_tpot,
-        "concurrency": best and best["concurrency"],
+        key: best and best[key],
         "goodput": best and best["metrics"]["goodput"],
     }
 
@@ -685,9 +777,10 @@ async def measure(args, url: str, label: str, until: float) -> tuple[dict, str |
         if args.mixed_probe:  # first: a fixed, small workload, at most 40% of the time; the sweep adapts
             mixed_until = time.perf_counter() + (until - time.perf_counter()) * 0.4
             run["mixed"] = await run_mixed(client, model, args, mixed_until, label)
-        for j, c in enumerate(args.concurrency):  # equal shares; a level done early leaves its rest to later ones
-            level_until = time.perf_counter() + (until - time.perf_counter()) / (len(args.concurrency) - j)
-            run["sweep"].append(await run_level(client, model, args, c, level_until, label))
+        values = levels(args)[1]
+        for j, v in enumerate(values):  # equal shares; a level done early leaves its rest to later ones
+            level_until = time.perf_counter() + (until - time.perf_counter()) / (len(values) - j)
+            run["sweep"].append(await run_level(client, model, args, v, level_until, label))
         run["goodput"] = pick_goodput(run["sweep"], args)
     except BenchError as e:
         return run, model, str(e)
@@ -768,12 +861,8 @@ def run_offline(args, deadline: float, report: dict) -> None:
         "device": str(llm.device),
         "dtype": str(llm.dtype).removeprefix("torch."),
     }
-    rng = random.Random(args.seed)
-    vocab = min(llm.model_config.vocab_size, 10000)
-    prompts = [
-        [rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_prompts)
-    ]
-    outs = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
+    lens = (args.min_len, args.max_len)
+    prompts, outs = random_prompts(args.seed, args.num_prompts, lens, lens, min(llm.model_config.vocab_size, VOCAB))
     try:
         llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, unmeasured
     except ValueError as e:  # an engine too small for even these 7 tokens
@@ -820,9 +909,10 @@ def print_report(report: dict, args) -> None:
     w = 42
     runs = report.get("runs", {})
     if any(run["sweep"] for run in runs.values()):  # nothing measured (the server unreachable, say): no table
-        cols = [(c, label) for c in args.concurrency for label in runs]
-        by = {(lv["concurrency"], label): lv for label, run in runs.items() for lv in run["sweep"]}
-        heads = [[clients(c) + ("*" if by.get((c, label), {}).get("partial") else "") for c, label in cols]]
+        key, values = levels(args)
+        cols = [(v, label) for v in values for label in runs]
+        by = {(lv[key], label): lv for label, run in runs.items() for lv in run["sweep"]}
+        heads = [[level_name(args, v) + ("*" if by.get((v, label), {}).get("partial") else "") for v, label in cols]]
         heads += [[label for _, label in cols]] if len(runs) > 1 else []  # continuous and static side by side
         server = args.base_url if args.base_url else f"its own, in this process, {' and '.join(runs)} batching"
         rows = [
@@ -846,33 +936,37 @@ def print_report(report: dict, args) -> None:
             rows += [(section, None)] + [(f"{s} {label} (ms)", f"{k}_{name}_ms") for k, s in STATS]
         print(f"\n{' Serving Benchmark Result ':=^{w + 14 * len(cols)}}")
         print(f"Server: {server}; model {report['config'].get('served_model')}")
-        n = args.requests_per_client
+        n, spread = args.requests_per_client, f" +-{args.random_range_ratio:.0%}" if args.random_range_ratio else ""
+        if args.request_rate:  # vLLM's random dataset
+            arrive = "Poisson" if args.burstiness == 1 else f"gamma (burstiness {args.burstiness:g})"
+            workload = (
+                f"random; {args.num_prompts} requests a rate, {args.random_input_len}{spread} prompt token ids "
+                f"(/v1/completions) and {args.random_output_len}{spread} output tokens (ignore_eos), {arrive} arrivals"
+            )
+        else:
+            sends = "1 request" if n == 1 else f"{n} requests one after another"
+            workload = f"{args.workload}; each client sends {sends} of {args.max_tokens} output tokens (ignore_eos)"
         print(
-            f"Workload: {args.workload}; each client sends "
-            f"{'1 request' if n == 1 else f'{n} requests one after another'} of "
-            f"{args.max_tokens} output tokens (ignore_eos), temperature {args.temperature:g}"
+            f"Workload: {workload}, temperature {args.temperature:g}"
             + (f", top_p {args.top_p:g}" if args.top_p is not None else "")
         )
-        for i, head in enumerate(heads):
-            print(f"{'Concurrency (clients)' if i == 0 else 'Batching':<{w}}" + "".join(f"{h:>14}" for h in head))
-        for title, key in rows:
-            if key is None:
+        head = "Request rate" if args.request_rate else "Concurrency (clients)"
+        for i, cells in enumerate(heads):
+            print(f"{head if i == 0 else 'Batching':<{w}}" + "".join(f"{h:>14}" for h in cells))
+        for title, metric in rows:
+            if metric is None:
                 print(f"{title:-^{w + 14 * len(cols)}}")
                 continue
             print(
                 f"{title:<{w}}"
-                + "".join(f"{fmt(by[c].get('metrics', {}).get(key)) if c in by else '-':>14}" for c in cols)
+                + "".join(f"{fmt(by[c].get('metrics', {}).get(metric)) if c in by else '-':>14}" for c in cols)
             )
         print("=" * (w + 14 * len(cols)))
         if any(lv["partial"] for lv in by.values()):
             print("* partial: the level's share of --time-limit ran out; counts include tokens streamed so far")
         for label, run in runs.items():
             if g := run.get("goodput"):
-                where = (
-                    f"{fmt(g['goodput'])} req/s at {clients(g['concurrency'])}"
-                    if g["concurrency"]
-                    else "no request meets it"
-                )
+                where = f"{fmt(g['goodput'])} req/s at {level_name(args, g[key])}" if g[key] else "no request meets it"
                 print(
                     f"Best goodput [{label}] at TTFT <= {fmt(g['slo_ttft_ms'])} ms, TPOT <= "
                     f"{fmt(g['slo_tpot_ms'])} ms: {where}"
@@ -928,8 +1022,8 @@ def versions() -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "bench.py") -> int:
+    args = parse_args(argv, prog)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     deadline = time.perf_counter() + args.time_limit
@@ -960,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and report["runs"] and importlib.util.find_spec("matplotlib") is not None:
         bench_plot.plot(report, args.plot)
     phases = [
-        (f"{label}, {clients(lv['concurrency'])}", lv["metrics"])
+        (f"{label}, {level_name(args, lv[levels(args)[0]])}", lv["metrics"])
         for label, run in report["runs"].items()
         for lv in run["sweep"]
     ]
@@ -972,13 +1066,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     failed = [f"{name}: {m['failed']} failed, first: {m['first_error']}" for name, m in phases if m["failed"]]
     if error or failed:
-        print(f"bench.py: error: {error or 'requests failed: ' + '; '.join(failed)}", file=sys.stderr)
+        print(f"{prog}: error: {error or 'requests failed: ' + '; '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
 
-if __name__ == "__main__":
-    rc = main()
+def exit_code(rc: int) -> int:
+    """rc, for a process about to exit with it: exiting at once where a model load still runs."""
     if any(t.name == "engine" for t in threading.enumerate()):
         # An in-process server's model load that --time-limit (or ^C) cut short still runs on its engine thread:
         # torch cannot be interrupted mid-load, and finalizing the interpreter under it aborts the process (as
@@ -986,4 +1080,28 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
-    sys.exit(rc)
+    return rc
+
+
+LANESERVE_USAGE = """\
+usage: laneserve serve [MODEL] [options]   an OpenAI-compatible server, as python serve.py
+   or: laneserve bench [options]           measure a server (vLLM's metrics), as python bench.py
+laneserve serve --help and laneserve bench --help list the options"""
+
+
+def laneserve(argv: list[str] | None = None) -> int:
+    """The `laneserve` command that pip installs (setup.py's console script)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):  # no command: the usage, as an error
+        print(LANESERVE_USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] == "serve":
+        return serve.main(argv[1:], "laneserve serve")
+    if argv[0] == "bench":
+        return exit_code(main(argv[1:], "laneserve bench"))
+    print(f"laneserve: error: no command {argv[0]!r}: serve or bench (see laneserve --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(exit_code(main()))

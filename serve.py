@@ -383,9 +383,9 @@ def usage_of(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _parser() -> ArgumentParser:
+def _parser(prog: str = "serve.py") -> ArgumentParser:
     p = ArgumentParser(
-        prog="serve.py",
+        prog=prog,
         description="OpenAI-compatible server: POST /v1/chat/completions, "
         "/v1/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics (Prometheus), "
         "/version, /openapi.json, and / (a live page of the engine's steps).",
@@ -457,8 +457,8 @@ def sampling_note(engine: Engine, config: EngineConfig) -> str:
     return f"{head} OpenAI's defaults (temperature 1, top_p 1): {why}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.model_tag and args.model not in (DEFAULT_MODEL, args.model_tag):
         parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")

@@ -36,6 +36,7 @@ setup(
     py_modules=MODULES,
     packages=["attention_cuda", "cpu_matmul", "server", "benchmarks"],
     package_data={"attention_cuda": ["*.cu", "*.cpp", "*.h"], "cpu_matmul": ["*.cpp"], "server": ["page.html"]},
+    entry_points={"console_scripts": ["laneserve = bench:laneserve"]},  # laneserve serve ..., laneserve bench ...
     install_requires=[
         "torch>=2.5",
         "numpy",

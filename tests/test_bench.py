@@ -1,12 +1,13 @@
-"""bench.py end to end, kept small: the in-process sweep and mixed probe, --quick and --help, --offline,
-bench_kernel.py on CPU, bench_ab.py, --base-url against a stub OpenAI server (usage checked, time limit honoured),
-and bad arguments."""
+"""bench.py end to end, kept small: the in-process sweep and mixed probe, --quick and --help, --offline, the open
+loop (--request-rate), bench_kernel.py on CPU, bench_ab.py, --base-url against a stub OpenAI server (usage checked,
+time limit honoured), bad arguments, and the `laneserve` command."""
 
 import itertools
 import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import bench
-from bench import main
+from bench import arrivals, laneserve, main
 from benchmarks import bench_ab, bench_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
@@ -134,6 +135,34 @@ def test_help_opens_with_the_two_ways_to_run_it(capsys):
     assert "--base-url" not in second and "start its own server" in second
 
 
+def test_laneserve_runs_serve_or_bench(capsys):
+    assert laneserve(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: laneserve serve ") and "laneserve bench " in out
+    assert laneserve([]) == 2 and "usage: laneserve serve " in capsys.readouterr().err  # no command: an error
+    assert laneserve(["nope"]) == 2
+    assert capsys.readouterr().err == "laneserve: error: no command 'nope': serve or bench (see laneserve --help)\n"
+    for argv, own in ((["serve", "--help"], "--served-model-name"), (["bench", "--help"], "--request-rate")):
+        with pytest.raises(SystemExit) as e:
+            laneserve(argv)
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and own in out and "--max-num-seqs" in out  # its own flags and the engine's
+        assert out.startswith(f"usage: laneserve {argv[0]} ")
+    for argv in (["bench", "--concurrency", "0"], ["serve", "--port", "x"]):
+        with pytest.raises(SystemExit) as e:
+            laneserve(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"laneserve {argv[0]}: error: argument {argv[1]}"), err
+        assert err.count("\n") == 1
+
+
+def test_laneserve_is_installed_as_a_command():
+    script = os.path.join(os.path.dirname(sys.executable), "laneserve")
+    assert os.path.exists(script), "setup.py's console script is missing: pip install --no-deps -e ."
+    run = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=120, cwd="/")
+    assert run.returncode == 0 and "--max-num-seqs" in run.stdout and "--host" in run.stdout, run.stderr
+
+
 def test_quick_is_a_short_sweep_without_the_probe_and_explicit_flags_win():
     full, quick = bench.parse_args([]), bench.parse_args(["--quick"])
     assert (full.concurrency, full.max_tokens, full.mixed_probe) == ([1, 4, 16, 64], 128, False)
@@ -204,6 +233,43 @@ def test_offline(tmp_path, capsys):
     assert o["output_tokens"] == o["requested_output_tokens"] == sum(o["output_lens"])
     assert all(4 <= n <= 8 for n in o["prompt_lens"] + o["output_lens"]) and o["output_throughput"] > 0
     assert "Offline: 3/3 sequences" in out
+
+
+def test_arrivals_are_seeded_and_come_at_the_rate():
+    times = arrivals(20001, 5.0, 1.0, seed=7)
+    assert times == arrivals(20001, 5.0, 1.0, seed=7) != arrivals(20001, 5.0, 1.0, seed=8)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0 and min(gaps) >= 0 and len(gaps) / times[-1] == pytest.approx(5.0, rel=0.03)
+    assert arrivals(3, math.inf, 1.0, seed=7) == [0.0, 0.0, 0.0]  # inf: all at once
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_burstiness_sets_the_spread_of_the_gaps_not_their_mean(burstiness):
+    times = arrivals(20001, 5.0, burstiness, seed=0)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    # Gamma(k, 1 / (rate * k)): mean 1 / rate, coefficient of variation 1 / sqrt(k) (1: Poisson's exponential gaps)
+    assert statistics.mean(gaps) == pytest.approx(0.2, rel=0.05)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(burstiness**-0.5, rel=0.05)
+
+
+def test_open_loop_in_process(tmp_path, capsys):
+    argv = ["--request-rate", "20", "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "4"]
+    rc, report, out, err = run(
+        [*SMALL, *argv, "--warmup", "0", "--slo-ttft", "1e6", "--slo-tpot", "1e6"], tmp_path, capsys
+    )
+    assert rc == 0, err
+    run_ = report["runs"]["continuous"]
+    [lv] = run_["sweep"]
+    m = lv["metrics"]
+    assert (lv["request_rate"], lv["burstiness"], lv["partial"]) == (20, 1, False)
+    assert (m["completed"], m["total_input_tokens"], m["total_output_tokens"]) == (3, 48, 12)  # exact, as asked
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < m[f"mean_{name}_ms"] and m[f"p50_{name}_ms"] <= m[f"p99_{name}_ms"]
+    assert m["request_throughput"] > 0 and m["output_throughput"] > 0 and m["goodput"] == m["request_throughput"]
+    assert run_["goodput"]["request_rate"] == 20 and run_["goodput"]["goodput"] == m["goodput"]
+    head = next(line for line in out.splitlines() if line.startswith("Request rate"))
+    assert head.split()[-2:] == ["20", "req/s"] and "Poisson arrivals" in out
+    assert "Request goodput (req/s)" in out and "Best goodput [continuous]" in out and "P99 ITL (ms)" in out
 
 
 @pytest.mark.slow  # the inner loop keeps a lighter test of its kind
@@ -425,6 +491,44 @@ def test_base_url_gives_the_same_table(stub, tmp_path, capsys):
     for lv in sweep:  # /metrics scraped at the start and end of each level, at least
         m = lv["metrics"]
         assert (m["server_running_mean"], m["server_running_max"]) == (3.0, 3) and m["server_preemptions"] >= 1
+
+
+def test_open_loop_sends_seeded_random_prompts_at_each_rate(stub, tmp_path, capsys):
+    Stub.bodies.clear()
+    argv = ["--base-url", stub(), "--request-rate", "10", "inf", "--num-prompts", "6", "--burstiness", "2"]
+    argv += ["--random-input-len", "10", "--random-output-len", "4", "--random-range-ratio", "0.5", "--seed", "3"]
+    rc, report, out, err = run([*argv, "--warmup", "0", "--slo-ttft", "1e6"], tmp_path, capsys)
+    assert rc == 0, err
+    sweep = report["runs"]["remote"]["sweep"]
+    assert [(lv["request_rate"], lv["burstiness"], lv["partial"]) for lv in sweep] == [
+        (10, 2, False),
+        (math.inf, 2, False),
+    ]
+    # Token ids to /v1/completions, lengths within the ratio, the same prompts at each rate.
+    bodies = Stub.bodies
+    assert len(bodies) == 12 and all("messages" not in b and b["ignore_eos"] for b in bodies)
+    assert all(5 <= len(b["prompt"]) <= 15 and 2 <= b["max_tokens"] <= 6 for b in bodies)
+    assert len({len(b["prompt"]) for b in bodies}) > 1
+    assert sorted(map(json.dumps, bodies[:6])) == sorted(map(json.dumps, bodies[6:]))
+    # Each request sent at its arrival time (--seed's), whether or not the ones before it are done.
+    for lv in sweep:
+        starts, times = [r["start"] for r in lv["requests"]], arrivals(6, lv["request_rate"], 2, seed=3)
+        assert all(0 <= s - t < 0.2 for s, t in zip(starts, times)), (starts, times)
+        m = lv["metrics"]
+        assert m["completed"] == 6 and m["total_output_tokens"] == sum(b["max_tokens"] for b in bodies[:6])
+        assert m["goodput"] == m["request_throughput"] and m["p99_e2el_ms"] > 0
+    assert report["runs"]["remote"]["goodput"]["request_rate"] in (10, math.inf)
+    assert "Request rate" in out and "inf req/s" in out and "gamma (burstiness 2) arrivals" in out
+
+
+def test_open_loop_time_limit_cancels_what_is_in_flight_and_unsent(stub, tmp_path, capsys):
+    argv = ["--base-url", stub(delay=0.05), "--request-rate", "4", "--num-prompts", "50", "--warmup", "0"]
+    began = time.monotonic()
+    rc, report, out, err = run([*argv, "--random-input-len", "4", "--time-limit", "1.5"], tmp_path, capsys)
+    [lv] = report["runs"]["remote"]["sweep"]
+    assert rc == 0 and time.monotonic() - began < 10, err
+    assert lv["partial"] and lv["metrics"]["completed"] == 0 and 0 < len(lv["requests"]) < 50
+    assert lv["metrics"]["total_output_tokens"] > 0 and "4 req/s*" in out
 
 
 def test_token_count_disagreeing_with_the_request_fails_loudly(stub, tmp_path, capsys):
@@ -651,6 +755,22 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
         (["--speculative-config", "{8}"], "argument --speculative-config: not JSON"),
         (["--speculative-config", '{"num_speculative_tokens": -1}'], "num_speculative_tokens must be >= 0"),
         (["--workload", "poem"], "argument --workload: invalid choice"),
+        (["--request-rate", "0"], "argument --request-rate: 0 is not a rate: a number > 0, or inf"),
+        (["--request-rate", "fast"], "argument --request-rate: fast is not a rate"),
+        (["--request-rate", "2", "2"], "--request-rate: each level once, got 2 2"),
+        (["--request-rate", "1", "--burstiness", "0"], "argument --burstiness: 0 must be finite and > 0"),
+        (
+            ["--request-rate", "1", "--random-range-ratio", "2"],
+            "--random-range-ratio: 2 must be finite and >= 0 and <=",
+        ),
+        (["--request-rate", "1", "--random-input-len", "0"], "argument --random-input-len: 0 must be finite and > 0"),
+        (["--burstiness", "2", "--random-output-len", "8"], "--burstiness, --random-output-len: not for the sweep"),
+        (
+            ["--request-rate", "1", "--concurrency", "2", "--max-tokens", "8"],
+            "--concurrency, --max-tokens: not for --r",
+        ),
+        (["--request-rate", "1", "--min-len", "8", "--plot", "p.png"], "--min-len, --plot: not for --request-rate"),
+        (["--offline", "--request-rate", "1", "--burstiness", "2"], "--request-rate, --burstiness: not for --offline"),
     ],
 )
 def test_bad_arguments_give_one_line(argv, message, capsys):
