@@ -222,7 +222,7 @@ class Transformer(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns logits (in the model's dtype) for meta.logits_indices only:
-        the LM head is the largest matmul per token and mid-prompt rows never need it."""
+        the LM head is the largest matmul per token and mid-prompt rows need it only for prompt logprobs."""
         x = self.embed(input_ids)
         if self.config.gemma:  # the scale rounded to the model's dtype first, as in transformers
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)

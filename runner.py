@@ -261,10 +261,10 @@ class ModelRunner:
         swap_in: list[tuple[int, int]] = (),
     ) -> list[Sampled]:
         """One step: build the batch, broadcast it to the other ranks, forward it, sample: each sampled sequence's
-        next token, and the token after each of its drafts. Failing is fatal under tensor parallelism
-        (WorkerFailure)."""
+        next token, and the token after each of its drafts, and the prompt tokens' logprobs this step scored. Failing
+        is fatal under tensor parallelism (WorkerFailure)."""
         batch, sampled, scored = StepBatch.build(scheduled, self.config.block_size) if scheduled else (None, [], [])
-        masks = structured.masks(sampled, self.model_config.vocab_size)  # computed while the model runs
+        masks = structured.masks(sampled, self.model_config.vocab_size, self.device.type == "cuda")
         try:
             if self.tp:
                 self.tp.broadcast((swap_out, swap_in, batch))

@@ -89,33 +89,35 @@ _worker = concurrent.futures.ThreadPoolExecutor(1, "grammar-masks")  # waits on 
 
 
 class Masks:
-    """A step's grammar masks, computed while the model runs: started before the forward pass, on llguidance's
-    threads with the GIL released, and applied by the sampler. Each (matcher, row, draft) masks its sequence's row
-    (its next token) and the draft's rows after it, row + j as if draft[:j] had been emitted; once a draft is one
-    the grammar refuses, the rows after it are left as they are (unreachable: the token before cannot equal that
-    draft), and the matcher ends where it began."""
+    """A step's grammar masks, computed on llguidance's threads with the GIL released and applied by the sampler. With
+    `overlap` (a GPU's step, during which the CPU waits) they are computed while the model runs, started before the
+    forward pass; without it (a CPU's, whose forward pass takes every core), when the sampler needs them. Each
+    (matcher, row, draft) masks its sequence's row (its next token) and the draft's rows after it, row + j as if
+    draft[:j] had been emitted; once a draft is one the grammar refuses, the rows after it are left as they are
+    (unreachable: the token before cannot equal that draft), and the matcher ends where it began."""
 
-    def __init__(self, grammars: list[tuple[Matcher, int, list[int]]], num_rows: int, vocab_size: int):
+    def __init__(self, grammars: list[tuple[Matcher, int, list[int]]], num_rows: int, vocab_size: int, overlap: bool):
         self.rows = [r + j for _, r, d in grammars for j in range(len(d) + 1)]
-        self.forbidden = _worker.submit(_forbidden, grammars, self.rows, num_rows, vocab_size)
+        self.args = (grammars, self.rows, num_rows, vocab_size)
+        self.forbidden = _worker.submit(_forbidden, *self.args) if overlap else None
 
     def apply(self, logits: torch.Tensor) -> None:
         """-inf at every token a grammar forbids."""
-        forbidden = self.forbidden.result().to(logits.device)
+        forbidden = (self.forbidden.result() if self.forbidden else _forbidden(*self.args)).to(logits.device)
         if len(self.rows) == len(logits):  # every row, in order: in place, without gathering them first
             logits.masked_fill_(forbidden, float("-inf"))
         else:
             logits[self.rows] = logits[self.rows].masked_fill(forbidden, float("-inf"))
 
 
-def masks(seqs: list, vocab_size: int) -> Masks | None:
+def masks(seqs: list, vocab_size: int, overlap: bool) -> Masks | None:
     """The masks of a step sampling seqs (sequence.Sequence), each a row and then a row per draft token; None when
     none has a grammar."""
     grammars, row = [], 0
     for seq in seqs:
         grammars += [(seq.grammar, row, seq.draft)] if seq.grammar else []
         row += 1 + len(seq.draft)
-    return Masks(grammars, row, vocab_size) if grammars else None
+    return Masks(grammars, row, vocab_size, overlap) if grammars else None
 
 
 def _forbidden(grammars: list[tuple[Matcher, int, list[int]]], rows: list[int], num_rows: int, vocab_size: int):
