@@ -9,11 +9,14 @@ import re
 import openai
 import pydantic
 import pytest
+import torch
 
+import structured
 import weights
 from config import EngineConfig
 from conftest import serving
 from engine import LLM, SamplingParams
+from sequence import Sequence
 
 PERSON = {
     "type": "object",
@@ -187,3 +190,82 @@ def test_structured_outputs_need_no_checkpoint_of_their_own(smollm2_shapes):
     llm = LLM(model="smollm2-shapes", dummy_weights=True, device="cpu", num_kv_blocks=64)
     [out] = llm.generate([[1, 2, 3]], constrained({"regex": "[ab]{3}"}, temperature=1, seed=0))
     assert re.fullmatch("[ab]{3}", out.text), out.text
+
+
+def test_masks_overlapping_the_forward_pass_are_the_masks_computed_after(smol):
+    """A GPU's step computes the grammar masks on a thread while the model runs (overlap), a CPU's when the sampler
+    needs them: the same rows, drafts included, and each matcher where it began."""
+    seqs = []
+    for spec, draft in (({"json": PERSON}, []), ({"regex": "[a-z]{2,6}"}, [64, 65, 12]), ({"json_object": True}, [90])):
+        seq = Sequence("r", [1, 2, 3], constrained(spec))
+        seq.grammar, seq.draft = smol.grammars.matcher(spec), draft
+        seqs.append(seq)
+    seqs.insert(1, Sequence("free", [4], constrained({"json": PERSON}, structured_outputs=None)))
+    vocab, got = smol.model_config.vocab_size, []
+    for overlap in (True, False, True):
+        logits = torch.zeros(1 + 1 + 4 + 2, vocab)
+        structured.masks(seqs, vocab, overlap).apply(logits)
+        got.append(logits)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    assert got[0][1].isfinite().all() and not got[0][0].isfinite().all()  # the free row untouched
+
+
+def parse_as_sent(client, model: type[pydantic.BaseModel], question: str, max_tokens: int):
+    """The openai client's .parse() with a Pydantic model, greedy: the request body as the client sent it, the
+    raw content and the parsed reply."""
+    raw = client.chat.completions.with_raw_response.parse(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=max_tokens,
+        response_format=model,
+    )
+    message = raw.parse().choices[0].message
+    return json.loads(raw.http_request.content), message.content, message.parsed
+
+
+@pytest.mark.slow
+def test_parse_gives_the_model_and_json_of_its_schema(client):
+    """.parse() sends the model's schema as a strict json_schema; the reply is JSON of exactly that schema, and
+    message.parsed an instance of the model."""
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    sent, content, person = parse_as_sent(client, Person, "Describe a person: their name and age.", 32)
+    fmt = sent["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["name"] == "Person"
+    assert fmt["json_schema"]["strict"] is True and fmt["json_schema"]["schema"]["additionalProperties"] is False
+    assert isinstance(person, Person) and person.name.strip() and isinstance(person.age, int)
+    data = json.loads(content)
+    assert set(data) == {"name", "age"} and isinstance(data["name"], str) and type(data["age"]) is int
+    assert Person.model_validate(data) == person
+
+
+@pytest.mark.slow
+def test_parse_strict_holds_nested_models_enums_and_bounds(client):
+    """In strict mode, as the openai client sends it (every property required, additionalProperties false at every
+    level, $defs and $ref for a nested model), the grammar holds the enum, the string lengths and the integer's
+    bounds, and no key outside the schema appears."""
+    from typing import Literal
+
+    class Pet(pydantic.BaseModel):
+        kind: Literal["cat", "dog"]
+        name: str = pydantic.Field(max_length=12)
+
+    class Owner(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=120)
+        pet: Pet
+
+    sent, content, owner = parse_as_sent(client, Owner, "Describe a pet owner: name, age and pet.", 64)
+    schema = sent["response_format"]["json_schema"]
+    assert schema["strict"] is True and schema["schema"]["$defs"]["Pet"]["additionalProperties"] is False
+    assert schema["schema"]["properties"]["pet"] == {"$ref": "#/$defs/Pet"}
+    assert isinstance(owner, Owner) and isinstance(owner.pet, Pet)
+    data = json.loads(content)
+    assert set(data) == {"name", "age", "pet"} and set(data["pet"]) == {"kind", "name"}
+    assert data["pet"]["kind"] in ("cat", "dog") and 0 <= data["age"] <= 120
+    assert len(data["name"]) <= 12 and len(data["pet"]["name"]) <= 12
+    assert Owner.model_validate(data) == owner
