@@ -7,7 +7,7 @@ w = q * scale). Beside them the row-wise ops (rows.cpp: rms_norm, rope_store) an
 composed from all these in C++ (layer.cpp: attend, mlp; cpu.FusedBlock calls them). Built with
 torch.utils.cpp_extension on first use, as attention_cuda is; where it does not build, or the CPU has none of its
 instruction sets, isa() is None and cpu.py keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2,
-avx512 or avx512_bf16; unset, the best this CPU has."""
+avx2_vnni, avx512, avx512_vnni or avx512_bf16; unset, the best this CPU has."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ISAS = {"avx2": 1, "avx512": 2, "avx512_bf16": 3}  # matmul.cpp's Isa
+# matmul.cpp's Isa, from the least to the most capable: isa() takes the last this CPU has.
+ISAS = {"avx2": 1, "avx2_vnni": 5, "avx512": 2, "avx512_vnni": 4, "avx512_bf16": 3}
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # matmul.cpp's Kind, with INT4 and INT8
 INT4, INT8 = 2, 3
 COLUMNS = 64  # outputs padded to a multiple of this: a register tile's width

@@ -24,10 +24,11 @@
 //   or vpdpwssd on word pairs of q, less 8 * the sum of xq), then acc = fma(scale * dx, sum, acc);
 //   acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the group, in k order. int8 (w = q *
 //   scale, q in -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero.
-//   Float32, int4 and int8 give the same bits on AVX2 and AVX-512.
+//   Float32, int4 and int8 give the same bits on AVX2 and AVX-512, with VNNI or without.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
-//   including this file into a namespace under #pragma GCC target (avx2, avx512, avx512bf16), each defining
-//   Vec and its operations first; linear() calls the one Python chose (isa), which supported() vouches for.
+//   including this file into a namespace under #pragma GCC target (avx2, avx2vnni, avx512, avx512vnni, avx512bf16),
+//   each defining Vec and its operations first; linear() calls the one Python chose (isa), which supported()
+//   vouches for. Each feature counts on its own: VNNI (vpdpwssd for the codes' sums) with or without BF16.
 #ifndef LANESERVE_KERNELS
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,7 +47,7 @@
 namespace {
 
 enum Kind : int64_t { F32 = 0, BF16 = 1, INT4 = 2, INT8 = 3 };
-enum Isa : int64_t { AVX2 = 1, AVX512 = 2, AVX512BF16 = 3 };
+enum Isa : int64_t { AVX2 = 1, AVX512 = 2, AVX512BF16 = 3, AVX512VNNI = 4, AVX2VNNI = 5 };
 // A block's group of 32 inputs: int4 384 bytes (64 of scales, 64 of mins, 256 of codes), int8 576 (64, 512 of codes).
 constexpr int64_t GROUP_BYTES = 384, INT8_GROUP_BYTES = 576;
 constexpr int64_t PREFETCH = 2048;  // bytes ahead in a column block's stream (past its end: the next block's)
@@ -61,8 +62,12 @@ inline void with_rows(int r, F&& f) {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+// The types out here (as Zmm's below), so that argument-dependent lookup finds no avx2 kernel in avx2vnni.
+struct Ymm { __m256 a, b; };
+struct YmmInts { __m256i a, b; };
+struct YmmPair { Ymm even, odd; };
 namespace avx2 {
-struct Vec { __m256 a, b; };
+using Vec = Ymm;
 constexpr int ROWS = 2, COLS = 2, COLS_INT4 = 1;  // 16 ymm registers
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec bcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -70,7 +75,7 @@ inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p 
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
 inline Vec fma(Vec x, Vec y, Vec acc) { return {_mm256_fmadd_ps(x.a, y.a, acc.a), _mm256_fmadd_ps(x.b, y.b, acc.b)}; }
 // bfloat16 k pairs of 16 columns: a bfloat16 is the top half of a float32, so k even is the pair shifted left.
-struct Pair { Vec even, odd; };
+using Pair = YmmPair;
 inline __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 inline __m256 odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536))); }
 inline Pair load_pair(const uint16_t* p) {
@@ -83,7 +88,7 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {  // x's k pair split likewise, k 
 }
 // int4: 16 int32 sums (one per column). 64 bytes of codes (16 columns x 4 bytes) as 4 vectors of word pairs:
 // a column's bytes b0..b3 give the pairs (b0, b2) and (b1, b3) of their low nibbles, then of their high ones.
-struct Ints { __m256i a, b; };
+using Ints = YmmInts;
 inline Ints izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline __m256i pick(__m256i v, int shift) {
   return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x000f000f));
@@ -114,10 +119,28 @@ inline Ints widen(const uint8_t* p) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+namespace avx2vnni {  // avx2's, but int4 and int8 codes by AVX-VNNI's vpdpwssd (the same sums: exact in int32)
+using avx2::Vec, avx2::zero, avx2::bcast, avx2::load, avx2::store, avx2::fma, avx2::mul, avx2::Pair, avx2::load_pair;
+using avx2::Ints, avx2::izero, avx2::nibbles, avx2::isub, avx2::to_float, avx2::widen;
+using avx2::ROWS, avx2::COLS, avx2::COLS_INT4;
+inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx2::dot2(w, x, acc); }  // not its whole overload set
+inline Ints dot2i(Ints acc, Ints q, int32_t x) {
+  __m256i xv = _mm256_set1_epi32(x);
+  return {_mm256_dpwssd_avx_epi32(acc.a, q.a, xv), _mm256_dpwssd_avx_epi32(acc.b, q.b, xv)};
+}
+#define LANESERVE_KERNELS
+#include "matmul.cpp"
+#undef LANESERVE_KERNELS
+}  // namespace avx2vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-// Out here, so that argument-dependent lookup finds no put() or dot2i() of avx512's in avx512bf16.
+// Out here, so that argument-dependent lookup finds no put() or dot2i() of avx512's in avx512vnni or avx512bf16.
 struct Zmm { __m512 a; };
 struct ZmmInts { __m512i a; };
+struct ZmmPair { Zmm even, odd; };
 namespace avx512 {
 using Vec = Zmm;
 constexpr int ROWS = 4, COLS = 4, COLS_INT4 = 2;  // 32 zmm registers
@@ -126,7 +149,7 @@ inline Vec bcast(float x) { return {_mm512_set1_ps(x)}; }
 inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v.a); }
 inline Vec fma(Vec x, Vec y, Vec acc) { return {_mm512_fmadd_ps(x.a, y.a, acc.a)}; }
-struct Pair { Vec even, odd; };
+using Pair = ZmmPair;
 inline Pair load_pair(const uint16_t* p) {
   __m512i v = _mm512_loadu_si512(p);
   return {{_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))},
@@ -159,12 +182,25 @@ inline Ints widen(const uint8_t* p) { return {_mm512_cvtepi8_epi16(_mm256_loadu_
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
-namespace avx512bf16 {  // avx512's, but bfloat16 pairs by vdpbf16ps and int4 codes by vpdpwssd
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
+namespace avx512vnni {  // avx512's, but int4 and int8 codes by vpdpwssd (VNNI without BF16: Ice Lake, Cascade Lake)
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
 using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::widen;
-using avx512::ROWS, avx512::COLS, avx512::COLS_INT4;
+using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512::Pair, avx512::load_pair;
+inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx512::dot2(w, x, acc); }  // not its whole overload set
 inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_dpwssd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
+#define LANESERVE_KERNELS
+#include "matmul.cpp"
+#undef LANESERVE_KERNELS
+}  // namespace avx512vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
+namespace avx512bf16 {  // avx512vnni's, but bfloat16 pairs by vdpbf16ps
+using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
+using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::widen;
+using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512vnni::dot2i;
 struct Pair { __m512bh w; };
 inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return {_mm512_dpbf16_ps(acc.a, w.w, (__m512bh)_mm512_set1_epi32(x))}; }
@@ -180,8 +216,9 @@ bool supported(int64_t isa) {
     case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case AVX512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    case AVX512BF16:
-      return supported(AVX512) && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+    case AVX2VNNI: return supported(AVX2) && __builtin_cpu_supports("avxvnni");
+    case AVX512VNNI: return supported(AVX512) && __builtin_cpu_supports("avx512vnni");
+    case AVX512BF16: return supported(AVX512VNNI) && __builtin_cpu_supports("avx512bf16");
     default: return false;
   }
 }
@@ -211,7 +248,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, i
   auto run = [&](auto* out) {
     switch (isa) {
       case AVX2: return avx2::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
+      case AVX2VNNI: return avx2vnni::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
       case AVX512: return avx512::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
+      case AVX512VNNI: return avx512vnni::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
       default: return avx512bf16::linear(kind, x.data_ptr(), bf16, packed.data_ptr(), out, M, K, n);
     }
   };

@@ -193,10 +193,16 @@ def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixe
         assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
 
 
-@pytest.mark.parametrize("mode", ["float32", "bfloat16", "int4"])
-@pytest.mark.parametrize("matmul", ["", "avx2", "off"])
+# Every kernel variant this CPU can run, in the modes whose code differs from the best variant's: the best ("") and
+# AVX2 in all; AVX-512 without BF16 in bfloat16 (FMA pairs, not vdpbf16ps) and int4 (vpmaddwd, not VNNI's vpdpwssd);
+# the VNNI variants in int4, where VNNI acts. Off: the fallback.
+VARIANTS = [(m, mode) for m in ("", "avx2", "off") for mode in ("float32", "bfloat16", "int4")]
+VARIANTS += [("avx512", "bfloat16"), ("avx512", "int4"), ("avx2_vnni", "int4"), ("avx512_vnni", "int4")]
+
+
+@pytest.mark.parametrize("matmul, mode", VARIANTS)
 def test_lanes_in_an_engine_of_few_sequences(smollm2_shapes, shared_prefixes, mode, matmul, monkeypatch):
-    # The CPU matmul kernel (cpu_matmul; "": the best ISA here, or AVX2 forced) computes a row alike in any
+    # The CPU matmul kernel (cpu_matmul; "": the best ISA here, or one forced) computes a row alike in any
     # batch, so max_num_seqs does not change a lane's bits. Off, the fallback: with max_num_seqs 4 matmuls run 16
     # rows at a time (cpu.row_tile), so a 64-token budget's prefill chunks take several tiles beside the decodes.
     if matmul not in ("", "off") and not cpu_matmul.supported(matmul):
