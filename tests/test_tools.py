@@ -3,12 +3,14 @@ required and a named function (the reply held to a call with valid arguments by 
 in replies and stream deltas, and the next turn's tool messages back through the template."""
 
 import json
+import random
 
 import openai
 import pytest
 
 from config import EngineConfig
 from conftest import serving
+from engine import LLM, SamplingParams
 from server import openai_api
 
 WEATHER = {
@@ -25,6 +27,7 @@ WEATHER = {
     },
 }
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOPICS = ("cats", "rivers", "kings", "ships", "bread", "stars", "rain")
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 
 
@@ -186,3 +189,32 @@ def test_bad_tools_and_choices_are_400s(client):
     ]:
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(**{"model": "smollm2-135m", "messages": ASK, "max_tokens": 4, **kwargs})
+
+
+@pytest.mark.slow
+def test_tool_calls_alone_equal_tool_calls_among_unconstrained():
+    """A named call (greedy) and a required one (seeded) among 24 unconstrained requests: each its lone run."""
+    llm = LLM(num_kv_blocks=512, max_num_seqs=32, dtype="float32", device="cpu")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    bodies = [
+        {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": named, "temperature": 0, "max_tokens": 40},
+        {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "temperature": 0.7, "seed": 1},
+    ]
+    calls = []
+    for body in bodies:
+        prompt = openai_api.chat_prompt({**body, "max_tokens": 60}, llm)
+        calls.append((prompt, openai_api.sampling_params({"max_tokens": 60, **body}, True, len(prompt), llm, 0)))
+    rng = random.Random(57)
+    others = [
+        (
+            llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."}]),
+            SamplingParams(temperature=rng.choice([0, 0.8]), seed=i, max_tokens=rng.randint(8, 40)),
+        )
+        for i in range(24)
+    ]
+    requests = others[:5] + calls[:1] + others[5:17] + calls[1:] + others[17:]
+    together = llm.generate(*map(list, zip(*requests)))
+    for i in (5, 18):
+        [alone] = llm.generate([requests[i][0]], requests[i][1])
+        assert (alone.token_ids, alone.text) == (together[i].token_ids, together[i].text)
+        assert openai_api.parse_calls(alone.text, openai_api.tool_choice(bodies[i > 5]), ["get_weather", "get_time"])
