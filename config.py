@@ -24,7 +24,8 @@ class EngineConfig:
     device: str = knob("auto", "cpu, cuda or cuda:N; auto: CUDA when available")
     dtype: str = knob(
         "auto",
-        "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 units, else float32",
+        "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 dot products, else float32 (and there a "
+        "Q4_1 GGUF's matmuls in its own 4-bit blocks: --quantization int4); float32: transformers' numbers",
         choices=["auto", "float32", "float16", "bfloat16"],
     )
     kv_cache_dtype: str = knob(
@@ -36,7 +37,8 @@ class EngineConfig:
     quantization: str | None = knob(
         None,
         "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): a quarter of "
-        "bfloat16's weight bytes; its speed is in BENCHMARKS.md",
+        "bfloat16's weight bytes; its speed is in benchmarks/README.md. Unset: the default on a CPU without bf16 "
+        "dot products for a Q4_1 GGUF with --dtype auto",
         type=str,
         choices=["int4"],
     )

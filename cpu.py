@@ -13,6 +13,7 @@ from torch import nn
 
 import attention_cuda
 import cpu_matmul
+import weights
 from model import BatchMeta, Block, Transformer
 
 INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blocks
@@ -33,6 +34,29 @@ def _cpu_flags() -> set[str]:
 def has_bf16_units() -> bool:
     """AMX or AVX512-BF16: there bfloat16 matmuls run natively (elsewhere they are emulated, slower than float32)."""
     return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
+
+
+def own_format(checkpoint: str | None) -> str | None:
+    """--quantization's default on this CPU: "int4" for a GGUF whose matmul weights are all Q4_1 where the CPU has no
+    bf16 dot products (int4 gives back the file's own codes, and its 4-bit stream beats float32's 8 times wider one
+    there, as llama.cpp serves such a file), else None (bfloat16, or float32, as the dtype says)."""
+    if has_bf16_units() or not (checkpoint or "").endswith(".gguf"):
+        return None
+    kinds = {t.tensor_type.name for t in weights.read_gguf(checkpoint).tensors if t.name.startswith("blk.")}
+    return "int4" if kinds - {"F32"} == {"Q4_1"} else None
+
+
+def choices(dtype: torch.dtype, quantization: str | None) -> str:
+    """What runs on this CPU and why, in a line (serve.py prints it at startup)."""
+    isa = cpu_matmul.isa()
+    kernel = next((name for name, i in cpu_matmul.ISAS.items() if i == isa), None)
+    units = "has bf16 dot products" if has_bf16_units() else "has no bf16 dot products"
+    weights_as = "the GGUF's own Q4_1 blocks (int4)" if quantization else str(dtype).removeprefix("torch.")
+    return (
+        f"CPU matmul kernels {kernel or 'off (oneDNN and row tiles)'}; weights as {weights_as}: this CPU {units}"
+        + ("" if quantization else "; --quantization int4 for 4-bit weights")
+        + ("; --dtype float32 for HF parity" if dtype != torch.float32 or quantization else "")
+    )
 
 
 def row_tile(max_num_seqs: int) -> int:

@@ -176,8 +176,10 @@ class ModelRunner:
         )
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         weights.load_state_dict(self.model, state)
+        self.quantization = c.quantization  # on a CPU, by default the checkpoint's own 4-bit format where it is fastest
         if self.device.type == "cpu":
-            cpu.optimize(self.model, c.quantization, c.max_num_seqs)
+            self.quantization = c.quantization or (cpu.own_format(self.checkpoint_path) if c.dtype == "auto" else None)
+            cpu.optimize(self.model, self.quantization, c.max_num_seqs)
 
     def _allocate_kv(self) -> None:
         """The KV pool: a fixed size, or what the memory knobs leave once the weights are in."""

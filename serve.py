@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 
+import cpu
 import server
 from cli import ArgumentParser, add_cli_args, from_cli_args
 from config import DEFAULT_MODEL, EngineConfig
@@ -544,6 +545,8 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
             f"ready in {time.monotonic() - began:.1f}s, serving {server.url}",
             file=sys.stderr,
         )
+        if e.device.type == "cpu":
+            print(f"laneserve: {cpu.choices(e.dtype, e.quantization)}", file=sys.stderr)
         print(f"laneserve: {sampling_note(e, config)}", file=sys.stderr)
         # With a timeout: a signal the kernel hands to another thread only wakes the main thread's wait here.
         while not stop.wait(0.5):

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+import cpu
 import cpu_matmul
 import weights
 from config import EngineConfig
@@ -507,3 +508,21 @@ def test_float16_on_cpu_takes_the_torch_forms():
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     alone = llm.generate(["hello there"], greedy)[0].token_ids
     assert llm.generate(["hello there", "a longer prompt than the first one"], greedy)[0].token_ids == alone
+
+
+def test_a_cpu_without_bf16_dot_products_serves_a_q4_1_gguf_in_its_own_blocks(monkeypatch):
+    # As llama.cpp serves the file: where bfloat16 is emulated, the GGUF's 4-bit stream (int4 gives back its codes)
+    # by default; float32, transformers' numbers, by --dtype float32. Where the CPU has bf16 dot products, bfloat16.
+    path = weights.resolve_checkpoint()
+    monkeypatch.setattr(cpu, "has_bf16_units", lambda: False)
+    assert cpu.own_format(path) == "int4" and cpu.own_format(None) is None
+    default, asked = LLM(device="cpu", num_kv_blocks=64), LLM(device="cpu", num_kv_blocks=64, quantization="int4")
+    assert (default.quantization, default.dtype) == ("int4", torch.float32)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    assert [(o.token_ids, o.logprob) for o in default.generate(["The capital of France is"], params)] == [
+        (o.token_ids, o.logprob) for o in asked.generate(["The capital of France is"], params)
+    ]
+    assert LLM(device="cpu", num_kv_blocks=64, dtype="float32").quantization is None
+    assert "own Q4_1 blocks (int4)" in cpu.choices(torch.float32, "int4")
+    monkeypatch.setattr(cpu, "has_bf16_units", lambda: True)
+    assert cpu.own_format(path) is None and "bfloat16" in cpu.choices(torch.bfloat16, None)

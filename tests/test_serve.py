@@ -844,7 +844,9 @@ def test_cli_serves_and_stops_on_sigterm():
         summary = lines[-1]
         assert "KV 320 blocks = 5120 tokens (int8)" in summary and " on cpu " in summary, lines
         assert "room for 1 request of the full 4096-token context" in summary, summary  # 5120 // 4096
-        note = p.stderr.readline()  # random weights: no generation_config.json, no model card
+        choices, note = p.stderr.readline(), p.stderr.readline()  # what runs on this CPU and why; sampling defaults
+        assert choices.startswith("laneserve: CPU matmul kernels ") and "; weights as " in choices, choices
+        # random weights: no generation_config.json, no model card
         assert "get OpenAI's defaults (temperature 1, top_p 1)" in note, note
         host, port = re.search(r"http://([\d.]+):(\d+)", summary).groups()
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
