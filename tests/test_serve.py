@@ -1139,7 +1139,7 @@ def test_unsupported_fields_are_refused_by_name(tiny_server, tiny_client):
         ({"messages": CHAT, "echo": True}, "echo"),  # a completions field
         ({"prompt": "x", "suffix": "y", "best_of": 2}, "best_of"),
         ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM
     ]:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         status, raw = request(tiny_server, "POST", path, {"model": "tiny", "max_tokens": 2, **body})
