@@ -32,7 +32,9 @@ def test_each_prompt_token_scored_as_generation_would(llm):
     [lps] = scored(llm, [ids])
     assert [x.token_id for x in lps] == ids[1:]  # the first token has no logprob
     # Position p's entry is the distribution generation sees after ids[:p + 1]: the same bits.
-    gen = llm.generate([ids[: p + 1] for p in range(len(ids) - 1)], SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    gen = llm.generate(
+        [ids[: p + 1] for p in range(len(ids) - 1)], SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    )
     assert [x.top for x in lps] == [o.logprob.top for o in gen]
     for x in lps:
         better = sum(lp > x.logprob for _, lp in x.top)
