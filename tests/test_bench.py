@@ -252,6 +252,7 @@ def test_burstiness_sets_the_spread_of_the_gaps_not_their_mean(burstiness):
     assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(burstiness**-0.5, rel=0.05)
 
 
+@pytest.mark.slow  # the inner loop keeps the stub server's open-loop tests
 def test_open_loop_in_process(tmp_path, capsys):
     argv = ["--request-rate", "20", "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "4"]
     rc, report, out, err = run(

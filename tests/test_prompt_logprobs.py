@@ -42,6 +42,7 @@ def test_each_prompt_token_scored_as_generation_would(llm):
         assert dict(x.top).get(x.token_id, x.logprob) == x.logprob
 
 
+@pytest.mark.slow  # the inner loop keeps the bits test above
 def test_matches_transformers(llm, hf_model):
     ids = llm.tokenizer.encode(TEXT)
     [lps] = scored(llm, [ids], 0)
@@ -51,6 +52,7 @@ def test_matches_transformers(llm, hf_model):
     assert torch.allclose(torch.tensor([x.logprob for x in lps]), expected, atol=2e-3)
 
 
+@pytest.mark.slow  # the inner loop keeps the bits test above
 def test_same_bits_alone_among_others_chunked_and_preempted():
     # One engine with a tiny pool (preemptions by recompute) and a small budget (chunks cut anywhere).
     rng = random.Random(5)
