@@ -176,9 +176,12 @@ class ModelRunner:
         )
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         weights.load_state_dict(self.model, state)
-        self.quantization = c.quantization  # on a CPU, by default the checkpoint's own 4-bit format where it is fastest
-        if self.device.type == "cpu":
-            self.quantization = c.quantization or (cpu.own_format(self.checkpoint_path) if c.dtype == "auto" else None)
+        # Unset on a CPU without bf16 dot products: a Q4_1 GGUF's own 4-bit blocks (cpu.own_format).
+        on_cpu = self.device.type == "cpu"
+        self.quantization = c.quantization or (
+            cpu.own_format(self.checkpoint_path) if on_cpu and c.dtype == "auto" else None
+        )
+        if on_cpu:
             cpu.optimize(self.model, self.quantization, c.max_num_seqs)
 
     def _allocate_kv(self) -> None:

@@ -75,17 +75,14 @@ def sample(
     want = [(ids[r], rows[r][0].params.logprobs) for r in asked]
     want += [(t, s.params.prompt_logprobs) for s, targets in scored for t in targets]
     entries = []
-    for i, (token, top_k) in enumerate(want):
-        row = flat[2 * n + i * width :][:width]
+    for at, (token, top_k) in zip(range(2 * n, len(flat), width), want):
+        row = flat[at : at + width]
         top = list(zip(map(int, row[2 : 2 + k]), row[2 + k :]))
         entries.append(TokenLogprob(token, row[0], top[:top_k], int(row[1])))
-    logprobs = [None] * n
-    for r, entry in zip(asked, entries):
-        logprobs[r] = entry
+    entries = iter(entries)  # the asked rows' in row order, then the scored ones'
+    logprobs = [next(entries) if s.params.logprobs is not None else None for s, _ in rows]
+    prompt = {s: [next(entries) for _ in targets] for s, targets in scored}
     errors = ["the model's logits are NaN" if nan else None for nan in flat[n : 2 * n]]
-    prompt, at = {}, len(asked)
-    for s, targets in scored:
-        prompt[s], at = entries[at : at + len(targets)], at + len(targets)
     out, end = [], 0
     for s in seqs:
         mine = slice(end, end := end + 1 + len(s.draft))
