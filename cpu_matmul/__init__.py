@@ -147,13 +147,14 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.T
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8_groups' codes and scales (groups of 32) as [n / 16, k / 32, 576] bytes: per block of 16 columns and
-    group, the 16 scales (float32), then per k pair j < 16 the 16 columns' codes of k = 2j and 2j + 1."""
+    group, the 16 scales (float32), then per k quad j < 8 the 16 columns' codes of k = 4j to 4j + 3, each stored as
+    q + 128 (unsigned, as vpdpbusd takes one side)."""
     n, k = q.shape
     q, scale = F.pad(q, (0, 0, 0, -n % COLUMNS)), F.pad(scale.float(), (0, 0, 0, -n % COLUMNS))
     blocks, groups = q.shape[0] // BLOCK, k // 32
-    codes = q.view(blocks, BLOCK, groups, 16, 2).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 512)
+    codes = (q.to(torch.int16) + 128).to(torch.uint8).view(blocks, BLOCK, groups, 8, 4).permute(0, 2, 3, 1, 4)
     scales = scale.view(blocks, BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat((scales, codes.view(torch.uint8)), -1).contiguous()
+    return torch.cat((scales, codes.reshape(blocks, groups, 512)), -1).contiguous()
 
 
 class Linear(nn.Module):

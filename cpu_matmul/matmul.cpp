@@ -9,8 +9,8 @@
 //     int4      [N/16][K/32][384 bytes]        per group of 32 inputs: 16 scales, 16 zeros (float32), then
 //                                              4 x [16 columns][4 bytes]: quad p's byte i holds k = 4p + i
 //                                              in its low nibble, k = 16 + 4p + i in its high one
-//     int8      [N/16][K/32][576 bytes]        per group of 32 inputs: 16 scales (float32), then per k pair j
-//                                              [16 columns][2 bytes]: the codes of k = 2j and 2j + 1
+//     int8      [N/16][K/32][576 bytes]        per group of 32 inputs: 16 scales (float32), then per k quad j
+//                                              [16 columns][4 bytes]: the codes of k = 4j..4j + 3, plus 128
 // - Registers: a tile of R rows by C column blocks of float32 accumulators (a Vec is 16 floats: one zmm, or
 //   two ymm). Per k, the C weight vectors are loaded once and each row's x[m, k] is broadcast against them;
 //   rows come ROWS at a time, the last tile with fewer. R and C change which register holds an element,
@@ -18,17 +18,18 @@
 // - Threads (at::parallel_for) split the output columns in groups of C blocks, never K, never rows.
 // - Order, for every element: float32 and bfloat16 accumulate from 0 over k = 0, 1, ..., K - 1 (bfloat16 a
 //   k pair per step: vdpbf16ps where the CPU has it, else two FMAs, k even first). int4 (w = (q - 8) *
-//   scale + zero, q in 0..15) by integer dot products: each row's 32 inputs of a group become int16 codes
-//   xq = round(x * 32767 / amax) and a scale dx = amax / 32767 (the row's own values alone; 8-bit codes, as
-//   llama.cpp's Q8_1, moved logprobs by 0.1), the group's sum of (q - 8) * xq is exact in int32 (vpmaddwd
-//   or vpdpwssd on word pairs of q, less 8 * the sum of xq), then acc = fma(scale * dx, sum, acc);
-//   acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the group, in k order. int8 (w = q *
-//   scale, q in -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero.
-//   Float32, int4 and int8 give the same bits on AVX2 and AVX-512, with VNNI or without.
+//   scale + zero, q in 0..15) by integer dot products, as llama.cpp's Q4_1 by Q8_1: each row's 32 inputs of a
+//   group become int8 codes xq = round(x * 127 / amax) and a scale dx = amax / 127 (the row's own values alone;
+//   they move logprobs about as bfloat16 activations do, and halve the work of 16-bit codes), the group's sum of
+//   (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw and vpmaddwd, on 4 bytes of q a column, less 8 * the
+//   sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's float32
+//   sum of x over the group, in k order. int8 (w = q * scale, q in -127..127, GGUF's Q8_0: the LM head beside
+//   int4 layers) likewise, with no zero. Float32, int4 and int8 give the same bits on AVX2 and AVX-512, with VNNI
+//   or without.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
 //   including this file into a namespace under #pragma GCC target (avx2, avx2vnni, avx512, avx512vnni, avx512bf16),
 //   each defining Vec and its operations first; linear() calls the one Python chose (isa), which supported()
-//   vouches for. Each feature counts on its own: VNNI (vpdpwssd for the codes' sums) with or without BF16.
+//   vouches for. Each feature counts on its own: VNNI (vpdpbusd for the codes' sums) with or without BF16.
 #ifndef LANESERVE_KERNELS
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -86,32 +87,37 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {  // x's k pair split likewise, k 
   const float x0 = __builtin_bit_cast(float, x << 16), x1 = __builtin_bit_cast(float, x & 0xffff0000u);
   return fma(bcast(x1), w.odd, fma(bcast(x0), w.even, acc));
 }
-// int4: 16 int32 sums (one per column). 64 bytes of codes (16 columns x 4 bytes) as 4 vectors of word pairs:
-// a column's bytes b0..b3 give the pairs (b0, b2) and (b1, b3) of their low nibbles, then of their high ones.
+// Codes: 16 int32 sums (one per column) of 4 byte products each, u (a weight's 4 codes, unsigned) by x (a row's 4
+// int8 codes, the same for every column), exact in int32: VNNI's vpdpbusd. Without VNNI, vpmaddubsw, whose int16
+// pair sums must not saturate: int4's nibbles (<= 15) as they are (2 * 15 * 127); int8's codes (q + 128) as |q| by
+// x signed as q (2 * 127 * 127), so that their sum is q's, not u's: INT8_OFFSET says which.
 using Ints = YmmInts;
+constexpr int32_t INT8_OFFSET = 0;
 inline Ints izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline __m256i pick(__m256i v, int shift) {
-  return _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0x000f000f));
+inline Ints codes(const uint8_t* p) {
+  return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
 }
-inline void nibbles(const uint8_t* p, Ints q[4]) {
-  __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 32));
-  for (int i = 0; i < 4; ++i) q[i] = {pick(a, (i & 1) * 8 + (i >> 1) * 4), pick(b, (i & 1) * 8 + (i >> 1) * 4)};
+inline Ints low(Ints v) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(v.a, m), _mm256_and_si256(v.b, m)};
 }
-// acc += per column, its word pair of codes times x's pair of int16 codes (vpmaddwd: exact in int32).
-inline Ints dot2i(Ints acc, Ints q, int32_t x) {
-  __m256i xv = _mm256_set1_epi32(x);
-  return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(q.a, xv)), _mm256_add_epi32(acc.b, _mm256_madd_epi16(q.b, xv))};
+inline Ints high(Ints v) { return low({_mm256_srli_epi16(v.a, 4), _mm256_srli_epi16(v.b, 4)}); }
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x, bool nibbles) {
+  const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+  const __m256i pairs =
+      nibbles ? _mm256_maddubs_epi16(u, x) : _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+template <bool NIBBLES>
+inline Ints dot4(Ints acc, Ints u, int32_t x) {
+  const __m256i xv = _mm256_set1_epi32(x);
+  return {dot4(acc.a, u.a, xv, NIBBLES), dot4(acc.b, u.b, xv, NIBBLES)};
 }
 inline Ints isub(Ints v, int32_t x) {
   return {_mm256_sub_epi32(v.a, _mm256_set1_epi32(x)), _mm256_sub_epi32(v.b, _mm256_set1_epi32(x))};
 }
 inline Vec to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
-// int8: 32 codes (16 columns x a k pair) as word pairs.
-inline Ints widen(const uint8_t* p) {
-  return {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)),
-          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16)))};
-}
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
 #undef LANESERVE_KERNELS
@@ -120,14 +126,16 @@ inline Ints widen(const uint8_t* p) {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avxvnni")
-namespace avx2vnni {  // avx2's, but int4 and int8 codes by AVX-VNNI's vpdpwssd (the same sums: exact in int32)
+namespace avx2vnni {  // avx2's, but the codes' sums by AVX-VNNI's vpdpbusd (the same sums: exact in int32)
 using avx2::Vec, avx2::zero, avx2::bcast, avx2::load, avx2::store, avx2::fma, avx2::mul, avx2::Pair, avx2::load_pair;
-using avx2::Ints, avx2::izero, avx2::nibbles, avx2::isub, avx2::to_float, avx2::widen;
+using avx2::Ints, avx2::izero, avx2::codes, avx2::low, avx2::high, avx2::isub, avx2::to_float;
 using avx2::ROWS, avx2::COLS, avx2::COLS_INT4;
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx2::dot2(w, x, acc); }  // not its whole overload set
-inline Ints dot2i(Ints acc, Ints q, int32_t x) {
-  __m256i xv = _mm256_set1_epi32(x);
-  return {_mm256_dpwssd_avx_epi32(acc.a, q.a, xv), _mm256_dpwssd_avx_epi32(acc.b, q.b, xv)};
+constexpr int32_t INT8_OFFSET = 128;  // vpdpbusd sums u = q + 128
+template <bool>
+inline Ints dot4(Ints acc, Ints u, int32_t x) {
+  const __m256i xv = _mm256_set1_epi32(x);
+  return {_mm256_dpbusd_avx_epi32(acc.a, u.a, xv), _mm256_dpbusd_avx_epi32(acc.b, u.b, xv)};
 }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
@@ -137,7 +145,7 @@ inline Ints dot2i(Ints acc, Ints q, int32_t x) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
-// Out here, so that argument-dependent lookup finds no put() or dot2i() of avx512's in avx512vnni or avx512bf16.
+// Out here, so that argument-dependent lookup finds no put() or dot4() of avx512's in avx512vnni or avx512bf16.
 struct Zmm { __m512 a; };
 struct ZmmInts { __m512i a; };
 struct ZmmPair { Zmm even, odd; };
@@ -161,20 +169,22 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
 }
 using Ints = ZmmInts;
 inline Ints izero() { return {_mm512_setzero_si512()}; }
-inline __m512i pick(__m512i v, int shift) {
-  return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0x000f000f));
-}
-inline void nibbles(const uint8_t* p, Ints q[4]) {
-  __m512i v = _mm512_loadu_si512(p);
-  for (int i = 0; i < 4; ++i) q[i] = {pick(v, (i & 1) * 8 + (i >> 1) * 4)};
-}
-inline Ints dot2i(Ints acc, Ints q, int32_t x) {
-  return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(q.a, _mm512_set1_epi32(x)))};
+inline Ints codes(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline Ints low(Ints v) { return {_mm512_and_si512(v.a, _mm512_set1_epi8(15))}; }
+inline Ints high(Ints v) { return low({_mm512_srli_epi16(v.a, 4)}); }
+constexpr int32_t INT8_OFFSET = 0;  // as avx2's, vpsignb by a masked subtraction
+template <bool NIBBLES>
+inline Ints dot4(Ints acc, Ints u, int32_t x) {
+  const __m512i xv = _mm512_set1_epi32(x), q = _mm512_xor_si512(u.a, _mm512_set1_epi8(-128));
+  const __m512i pairs = NIBBLES ? _mm512_maddubs_epi16(u.a, xv)
+                                : _mm512_maddubs_epi16(_mm512_abs_epi8(q), _mm512_mask_sub_epi8(
+                                                                               xv, _mm512_movepi8_mask(q),
+                                                                               _mm512_setzero_si512(), xv));
+  return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
 }
 inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
 inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
-inline Ints widen(const uint8_t* p) { return {_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p))}; }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
 #undef LANESERVE_KERNELS
@@ -183,12 +193,14 @@ inline Ints widen(const uint8_t* p) { return {_mm512_cvtepi8_epi16(_mm256_loadu_
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
-namespace avx512vnni {  // avx512's, but int4 and int8 codes by vpdpwssd (VNNI without BF16: Ice Lake, Cascade Lake)
+namespace avx512vnni {  // avx512's, but the codes' sums by vpdpbusd (VNNI without BF16: Ice Lake, Cascade Lake)
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::widen;
+using avx512::Ints, avx512::izero, avx512::codes, avx512::low, avx512::high, avx512::isub, avx512::to_float;
 using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512::Pair, avx512::load_pair;
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx512::dot2(w, x, acc); }  // not its whole overload set
-inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_dpwssd_epi32(acc.a, q.a, _mm512_set1_epi32(x))}; }
+constexpr int32_t INT8_OFFSET = 128;  // vpdpbusd sums u = q + 128
+template <bool>
+inline Ints dot4(Ints acc, Ints u, int32_t x) { return {_mm512_dpbusd_epi32(acc.a, u.a, _mm512_set1_epi32(x))}; }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
 #undef LANESERVE_KERNELS
@@ -199,8 +211,8 @@ inline Ints dot2i(Ints acc, Ints q, int32_t x) { return {_mm512_dpwssd_epi32(acc
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
 namespace avx512bf16 {  // avx512vnni's, but bfloat16 pairs by vdpbf16ps
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::izero, avx512::nibbles, avx512::isub, avx512::to_float, avx512::widen;
-using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512vnni::dot2i;
+using avx512::Ints, avx512::izero, avx512::codes, avx512::low, avx512::high, avx512::isub, avx512::to_float;
+using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512vnni::dot4, avx512vnni::INT8_OFFSET;
 struct Pair { __m512bh w; };
 inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return {_mm512_dpbf16_ps(acc.a, w.w, (__m512bh)_mm512_set1_epi32(x))}; }
@@ -308,9 +320,9 @@ void tile(const X* x, const W* w, Out* y, int64_t steps, int64_t n, int64_t col)
   put(acc, y, n, col);
 }
 
-// The quantized kinds (EIGHT: int8, else int4). xp: the rows' int16 codes [M, K] as 16 word pairs a group, in the
-// order the codes are read below; dx, xsum, xqsum: per group [M, K / 32], their scales, x's sums and 8 * xq's (the
-// latter two for int4's zero term alone).
+// The quantized kinds (EIGHT: int8, else int4). xp: the rows' int8 codes [M, K], 4 to an int32 (k order); dx,
+// xsum, xqsum: per group [M, K / 32], their scales, x's sums (int4's zero term alone) and the offset of the codes'
+// sums (int4: 8 * the sum of xq, for q - 8; int8: 128 * it, for weights stored as q + 128).
 template <int R, int C, bool EIGHT, typename Out>
 void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
                 int64_t K, int64_t n, int64_t col) {
@@ -328,29 +340,27 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) s[r][c] = izero();
-    if constexpr (EIGHT) {
-      for (int j = 0; j < 16; ++j) {  // k pairs (2j, 2j + 1)
-        Ints q[C];
-        for (int c = 0; c < C; ++c) q[c] = widen(blk[c] + 64 + 32 * j);
-        for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c) s[r][c] = dot2i(s[r][c], q[c], xp[(r * G + g) * 16 + j]);
+    for (int j = 0; j < (EIGHT ? 8 : 4); ++j) {  // int8: k quad j; int4: quads j (low nibbles) and 4 + j (high)
+      Ints u[C][2];
+      for (int c = 0; c < C; ++c) {
+        const Ints v = codes(blk[c] + (EIGHT ? 64 : 128) + 64 * j);
+        u[c][0] = EIGHT ? v : low(v), u[c][1] = high(v);
       }
-    } else {
-      for (int p = 0; p < 4; ++p) {
-        Ints q[C][4];
-        for (int c = 0; c < C; ++c) nibbles(blk[c] + 128 + p * 64, q[c]);
-        for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c)
-            for (int i = 0; i < 4; ++i) s[r][c] = dot2i(s[r][c], q[c][i], xp[(r * G + g) * 16 + 4 * p + i]);
-      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) {
+          const int32_t* x = xp + (r * G + g) * 8;
+          s[r][c] = dot4<!EIGHT>(s[r][c], u[c][0], x[j]);
+          if constexpr (!EIGHT) s[r][c] = dot4<true>(s[r][c], u[c][1], x[4 + j]);
+        }
     }
     for (int c = 0; c < C; ++c) {
       Vec scale = load(reinterpret_cast<const float*>(blk[c]));
       for (int r = 0; r < R; ++r) {
+        const Vec sum = to_float(isub(s[r][c], xqsum[r * G + g]));
         if constexpr (EIGHT) {
-          acc[r][c] = fma(mul(scale, bcast(dx[r * G + g])), to_float(s[r][c]), acc[r][c]);
+          acc[r][c] = fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]);
         } else {
-          Vec zr = load(reinterpret_cast<const float*>(blk[c] + 64)), sum = to_float(isub(s[r][c], xqsum[r * G + g]));
+          Vec zr = load(reinterpret_cast<const float*>(blk[c] + 64));
           acc[r][c] = fma(zr, bcast(xsum[r * G + g]), fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]));
         }
       }
@@ -366,8 +376,8 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
   const bool codes = kind == INT4 || kind == INT8;
   std::vector<float> dx(codes ? M * G : 0), xsum(dx.size());
   std::vector<int32_t> xqsum(dx.size());
-  std::vector<int32_t> xp(codes ? M * K / 2 : 0);
-  if (codes) {  // each row's groups quantized to int16, from their own values alone
+  std::vector<int32_t> xp(codes ? M * K / 4 : 0);
+  if (codes) {  // each row's groups quantized to int8, from their own values alone
     at::parallel_for(0, M * G, 4096, [&](int64_t b, int64_t e) {  // a decode step's few groups: no threads
       for (int64_t i = b; i < e; ++i) {
         float v[32];  // x's group in float32 (from bfloat16: exact)
@@ -376,18 +386,14 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
                         : static_cast<const float*>(x)[i * 32 + k];
         float amax = 0, sum = 0;
         for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k])), sum += v[k];
-        const float inv = amax > 0 ? 32767.0f / amax : 0.0f;
+        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
         int32_t qsum = 0;
-        uint16_t q[32];
+        int8_t* q = reinterpret_cast<int8_t*>(xp.data() + i * 8);
         for (int k = 0; k < 32; ++k) {
-          q[k] = (int16_t)std::nearbyint(std::min(32767.0f, std::max(-32767.0f, v[k] * inv)));
-          qsum += (int16_t)q[k];
+          q[k] = (int8_t)std::nearbyint(std::min(127.0f, std::max(-127.0f, v[k] * inv)));
+          qsum += q[k];
         }
-        for (int j = 0; j < 16; ++j) {  // int8: the pairs (2j, 2j + 1); int4: (4p + t, 4p + t + 2), t = 0, 1, 16, 17
-          const int k = kind == INT8 ? 2 * j : j / 4 * 4 + (j & 2) * 8 + (j & 1);
-          xp[i * 16 + j] = (int32_t)(q[k] | (uint32_t)q[k + (kind == INT8 ? 1 : 2)] << 16);
-        }
-        dx[i] = amax / 32767.0f, xsum[i] = sum, xqsum[i] = 8 * qsum;
+        dx[i] = amax / 127.0f, xsum[i] = sum, xqsum[i] = (kind == INT8 ? INT8_OFFSET : 8) * qsum;
       }
     });
   }
@@ -405,7 +411,7 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
                                 static_cast<const uint16_t*>(w) + col * K * 16, y + m * n, K / 2, n, col);
           else
             (kind == INT4 ? quant_tile<R.value, COLS_INT4, false, Out> : quant_tile<R.value, COLS_INT4, true, Out>)(
-                xp.data() + m * K / 2, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,
+                xp.data() + m * K / 4, dx.data() + m * G, xsum.data() + m * G, xqsum.data() + m * G,
                 static_cast<const uint8_t*>(w) + col * G * (kind == INT4 ? GROUP_BYTES : INT8_GROUP_BYTES), y + m * n,
                 K, n, col);
         });
