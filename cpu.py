@@ -37,10 +37,10 @@ def has_bf16_units() -> bool:
 
 
 def own_format(checkpoint: str | None) -> str | None:
-    """--quantization's default on this CPU: "int4" for a GGUF whose matmul weights are all Q4_1 where the CPU has no
-    bf16 dot products (int4 gives back the file's own codes, and its 4-bit stream beats float32's 8 times wider one
-    there, as llama.cpp serves such a file), else None (bfloat16, or float32, as the dtype says)."""
-    if has_bf16_units() or not (checkpoint or "").endswith(".gguf"):
+    """--quantization's default on this CPU: "int4" for a GGUF whose matmul weights are all Q4_1, where the kernels
+    run (int4 gives back the file's own codes, as llama.cpp serves it; its 8-bit dot products beat bfloat16's at
+    every batch size in every kernel variant), else None (bfloat16, or float32, as the dtype says)."""
+    if cpu_matmul.isa() is None or not (checkpoint or "").endswith(".gguf"):
         return None
     kinds = {t.tensor_type.name for t in weights.read_gguf(checkpoint).tensors if t.name.startswith("blk.")}
     return "int4" if kinds - {"F32"} == {"Q4_1"} else None
@@ -51,9 +51,14 @@ def choices(dtype: torch.dtype, quantization: str | None) -> str:
     isa = cpu_matmul.isa()
     kernel = next((name for name, i in cpu_matmul.ISAS.items() if i == isa), None)
     units = "has bf16 dot products" if has_bf16_units() else "has no bf16 dot products"
-    weights_as = "the GGUF's own Q4_1 blocks (int4)" if quantization else str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")
+    weights_as = (
+        f"4-bit groups (int4: a Q4_1 GGUF's own blocks) by 8-bit dot products as llama.cpp, the rest in {name}"
+        if quantization
+        else f"{name}: this CPU {units}"
+    )
     return (
-        f"CPU matmul kernels {kernel or 'off (oneDNN and row tiles)'}; weights as {weights_as}: this CPU {units}"
+        f"CPU matmul kernels {kernel or 'off (oneDNN and row tiles)'}; weights as {weights_as}"
         + ("" if quantization else "; --quantization int4 for 4-bit weights")
         + ("; --dtype float32 for HF parity" if dtype != torch.float32 or quantization else "")
     )

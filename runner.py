@@ -176,7 +176,7 @@ class ModelRunner:
         )
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         weights.load_state_dict(self.model, state)
-        # Unset on a CPU without bf16 dot products: a Q4_1 GGUF's own 4-bit blocks (cpu.own_format).
+        # Unset on a CPU: a Q4_1 GGUF's own 4-bit blocks where the kernels run (cpu.own_format).
         on_cpu = self.device.type == "cpu"
         self.quantization = c.quantization or (
             cpu.own_format(self.checkpoint_path) if on_cpu and c.dtype == "auto" else None

@@ -511,9 +511,10 @@ def test_float16_on_cpu_takes_the_torch_forms():
     assert llm.generate(["hello there", "a longer prompt than the first one"], greedy)[0].token_ids == alone
 
 
-def test_a_cpu_without_bf16_dot_products_serves_a_q4_1_gguf_in_its_own_blocks(monkeypatch):
-    # As llama.cpp serves the file: where bfloat16 is emulated, the GGUF's 4-bit stream (int4 gives back its codes)
-    # by default; float32, transformers' numbers, by --dtype float32. Where the CPU has bf16 dot products, bfloat16.
+def test_a_q4_1_gguf_is_served_in_its_own_blocks_where_the_kernels_run(monkeypatch):
+    # As llama.cpp serves the file: the GGUF's 4-bit stream (int4 gives back its codes) by 8-bit dot products, on
+    # any CPU the kernels run on; the rest in float32 where the CPU has no bf16 dot products. float32 throughout,
+    # transformers' numbers, by --dtype float32; without the kernels, the dtype's weights.
     path = weights.resolve_checkpoint()
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: False)
     assert cpu.own_format(path) == "int4" and cpu.own_format(None) is None
@@ -524,6 +525,8 @@ def test_a_cpu_without_bf16_dot_products_serves_a_q4_1_gguf_in_its_own_blocks(mo
         (o.token_ids, o.logprob) for o in asked.generate(["The capital of France is"], params)
     ]
     assert LLM(device="cpu", num_kv_blocks=64, dtype="float32").quantization is None
-    assert "own Q4_1 blocks (int4)" in cpu.choices(torch.float32, "int4")
+    assert "Q4_1 GGUF's own blocks" in cpu.choices(torch.float32, "int4")
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: True)
-    assert cpu.own_format(path) is None and "bfloat16" in cpu.choices(torch.bfloat16, None)
+    assert cpu.own_format(path) == "int4" and "bfloat16: this CPU has bf16" in cpu.choices(torch.bfloat16, None)
+    monkeypatch.setenv("LANESERVE_CPU_MATMUL", "off")
+    assert cpu.own_format(path) is None
