@@ -2,11 +2,12 @@
 // each generated token (a decode, or a recomputed output token) attends to its own sequence's cached keys
 // 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
 //
-// - Tasks: one per token (in a step of few tokens, one per KV head and the query heads that read it, or per query
-//   head, so that one stream's token uses every thread), split over threads by at::parallel_for (never within a
-//   head), so a token's bits never depend on the other tokens of the step or on the thread count. A task copies the
-//   keys and values of the KV heads it reads (each slot's heads together) to float32 buffers, then computes its
-//   query heads.
+// - Tasks: one per run of a sequence's consecutive tokens (in a step of few runs, one per KV head and the query
+//   heads that read it, or per query head, so that one stream's token uses every thread), split over threads by
+//   at::parallel_for (never within a head), so a token's bits never depend on the other tokens of the step or on
+//   the thread count. A task copies the keys and values of the KV heads it reads (each slot's heads together) to
+//   float32 buffers, once for its run's tokens (a verify step's drafts read the same keys), then computes each
+//   token's query heads.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
 //   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
 //   out = T(sum_j p_j v_j). Products and sums in float32; e^x by exp8, the same polynomial in every lane.
@@ -83,21 +84,27 @@ void run(const Args& a) {
   const T* q_all = static_cast<const T*>(a.query);
   const C *k_cache = static_cast<const C*>(a.k_cache), *v_cache = static_cast<const C*>(a.v_cache);
   T* o_all = static_cast<T*>(a.out);
-  // A task: one token; in a step of too few tokens to keep every thread busy (one stream's), one of its KV heads
-  // with the query heads that read it (its keys copied once), or one query head where there are too few of those.
-  // A head's arithmetic is the same either way.
-  const int64_t threads = at::get_num_threads();
-  const int64_t split = a.n >= 4 * threads ? 1 : a.n * a.kv_heads >= threads ? a.kv_heads : a.heads;
-  at::parallel_for(0, a.n * split, 1, [&](int64_t begin, int64_t end) {
+  // A task: one run of tokens (a sequence's consecutive rows: one token, or a verify step's drafts, which share
+  // their keys, copied once); in a step of too few runs to keep every thread busy (one stream's), one of its KV
+  // heads with the query heads that read it, or one query head where there are too few of those. A head's
+  // arithmetic is the same either way.
+  std::vector<int64_t> runs{0};  // run r: tokens runs[r] .. runs[r + 1] - 1
+  for (int64_t i = 1; i <= a.n; ++i)
+    if (i == a.n || a.seqs[i] != a.seqs[i - 1]) runs.push_back(i);
+  const int64_t threads = at::get_num_threads(), n = runs.size() - 1;
+  const int64_t split = n >= 4 * threads ? 1 : n * a.kv_heads >= threads ? a.kv_heads : a.heads;
+  auto first = [&](int64_t i) { return a.window > 0 ? std::max<int64_t>(0, a.positions[i] - a.window + 1) : 0; };
+  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(dim), k, v, p;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / split, head0 = task % split * a.heads / split, head1 = head0 + a.heads / split;
+      const int64_t r = task / split, head0 = task % split * a.heads / split, head1 = head0 + a.heads / split;
       const int64_t kv0 = head0 / group, kvs = (head1 - 1) / group + 1 - kv0;  // the KV heads it reads
-      const int64_t pos = a.positions[i], start = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-      const int64_t len = pos + 1 - start, *table = a.tables + a.seqs[i] * a.width;
-      k.resize(len * kvs * dim), v.resize(len * kvs * dim), p.resize(len + 8);
-      for (int64_t j = 0; j < len; ++j) {  // key j's slot: block table[j / block_size], row j % block_size
-        const int64_t slot = table[(start + j) / a.block_size] * a.block_size + (start + j) % a.block_size;
+      int64_t lo = first(runs[r]), hi = 0;  // the keys its tokens read
+      for (int64_t i = runs[r]; i < runs[r + 1]; ++i) lo = std::min(lo, first(i)), hi = std::max(hi, a.positions[i]);
+      const int64_t keys = hi + 1 - lo, *table = a.tables + a.seqs[runs[r]] * a.width;
+      k.resize(keys * kvs * dim), v.resize(keys * kvs * dim), p.resize(keys + 8);
+      for (int64_t j = 0; j < keys; ++j) {  // key lo + j's slot: block table[(lo + j) / block_size], row the rest
+        const int64_t slot = table[(lo + j) / a.block_size] * a.block_size + (lo + j) % a.block_size;
         for (int64_t h = 0; h < kvs; ++h) {
           const int64_t at = slot * a.kv_heads + kv0 + h;  // its vector's offset in the cache / dim, its scale's
           for (int d = 0; d < dim; d += 8) {
@@ -106,27 +113,30 @@ void run(const Args& a) {
           }
         }
       }
-      for (int64_t head = head0; head < head1; ++head) {
-        const int64_t first = (a.rows[i] * a.heads + head) * dim, h = head / group - kv0;  // offset in query and out
-        for (int d = 0; d < dim; ++d) q[d] = round_to<T>(static_cast<float>(q_all[first + d]) * a.scale);
-        for (int64_t j = 0; j < len; ++j) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
-          v8 acc = {};
-          for (int d = 0; d < dim; d += 8) acc += *(const v8u*)&q[d] * *(const v8u*)&k[(j * kvs + h) * dim + d];
-          p[j] = round_to<T>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+      for (int64_t i = runs[r]; i < runs[r + 1]; ++i)
+        for (int64_t head = head0; head < head1; ++head) {
+          const int64_t start = first(i) - lo, len = a.positions[i] + 1 - first(i);  // its keys: start.. in k, v
+          const int64_t at = (a.rows[i] * a.heads + head) * dim, h = head / group - kv0;  // offset in query and out
+          const float *kh = &k[(start * kvs + h) * dim], *vh = &v[(start * kvs + h) * dim];
+          for (int d = 0; d < dim; ++d) q[d] = round_to<T>(static_cast<float>(q_all[at + d]) * a.scale);
+          for (int64_t j = 0; j < len; ++j) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
+            v8 acc = {};
+            for (int d = 0; d < dim; d += 8) acc += *(const v8u*)&q[d] * *(const v8u*)&kh[j * kvs * dim + d];
+            p[j] = round_to<T>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+          }
+          const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
+          for (int64_t j = 0; j < len; j += 8)  // the last chunk runs past len, into p's 8 spare floats
+            *(v8u*)&p[j] = exp8(*(const v8u*)&p[j] - m);
+          float sum = 0;
+          for (int64_t j = 0; j < len; ++j) sum += p[j];
+          for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
+          T* o = o_all + at;
+          for (int d = 0; d < dim; d += 8) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
+            v8 acc = {};
+            for (int64_t j = 0; j < len; ++j) acc += p[j] * *(const v8u*)&vh[j * kvs * dim + d];
+            for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
+          }
         }
-        const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
-        for (int64_t j = 0; j < len; j += 8)  // the last chunk runs past len, into p's 8 spare floats
-          *(v8u*)&p[j] = exp8(*(const v8u*)&p[j] - m);
-        float sum = 0;
-        for (int64_t j = 0; j < len; ++j) sum += p[j];
-        for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
-        T* o = o_all + first;
-        for (int d = 0; d < dim; d += 8) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
-          v8 acc = {};
-          for (int64_t j = 0; j < len; ++j) acc += p[j] * *(const v8u*)&v[(j * kvs + h) * dim + d];
-          for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
-        }
-      }
     }
   });
 }
