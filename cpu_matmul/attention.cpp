@@ -22,6 +22,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <optional>
 #include <type_traits>
@@ -46,9 +48,26 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  // 8 floats anywhere in a buffer
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 
+typedef uint32_t v8w __attribute__((vector_size(32)));
+
 // x rounded to T's precision (bfloat16: to nearest even, a NaN kept one, by c10's conversion).
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// round_to for 8 lanes: c10's bits (bias 0x7fff plus the kept half's lowest bit, then truncate; NaN 0x7fc0).
+template <typename T>
+inline v8 round8(v8 x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  const v8w u = (v8w)x, r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  return (v8)(x != x ? (v8w)(v8{} + __builtin_nanf("")) : r);
+}
+
+// The 8 sums of a[t]'s lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) each: horizontal adds, in that order.
+inline v8 sums8(const v8 (&a)[8]) {
+  const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
 
 // e^x for x <= 0, 8 at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); elementwise,
 // so a value's result does not depend on its lane. Below -87 (e^x < 2^-125) gives e^-87.
@@ -102,7 +121,7 @@ void run(const Args& a) {
       int64_t lo = first(runs[r]), hi = 0;  // the keys its tokens read
       for (int64_t i = runs[r]; i < runs[r + 1]; ++i) lo = std::min(lo, first(i)), hi = std::max(hi, a.positions[i]);
       const int64_t keys = hi + 1 - lo, *table = a.tables + a.seqs[runs[r]] * a.width;
-      k.resize(keys * kvs * dim), v.resize(keys * kvs * dim), p.resize(keys + 8);
+      k.resize((keys + 8) * kvs * dim), v.resize(keys * kvs * dim), p.resize(keys + 8);  // 8 spare keys, floats
       for (int64_t j = 0; j < keys; ++j) {  // key lo + j's slot: block table[(lo + j) / block_size], row the rest
         const int64_t slot = table[(lo + j) / a.block_size] * a.block_size + (lo + j) % a.block_size;
         for (int64_t h = 0; h < kvs; ++h) {
@@ -119,22 +138,26 @@ void run(const Args& a) {
           const int64_t at = (a.rows[i] * a.heads + head) * dim, h = head / group - kv0;  // offset in query and out
           const float *kh = &k[(start * kvs + h) * dim], *vh = &v[(start * kvs + h) * dim];
           for (int d = 0; d < dim; ++d) q[d] = round_to<T>(static_cast<float>(q_all[at + d]) * a.scale);
-          for (int64_t j = 0; j < len; ++j) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
-            v8 acc = {};
-            for (int d = 0; d < dim; d += 8) acc += *(const v8u*)&q[d] * *(const v8u*)&kh[j * kvs * dim + d];
-            p[j] = round_to<T>(((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])));
+          for (int64_t j = 0; j < len; j += 8) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
+            v8 acc[8] = {};  // keys j..j + 7 at once (past len: the buffers' spare keys and floats)
+            for (int d = 0; d < dim; d += 8)
+              for (int t = 0; t < 8; ++t) acc[t] += *(const v8u*)&q[d] * *(const v8u*)&kh[(j + t) * kvs * dim + d];
+            *(v8u*)&p[j] = round8<T>(sums8(acc));
           }
           const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
           for (int64_t j = 0; j < len; j += 8)  // the last chunk runs past len, into p's 8 spare floats
             *(v8u*)&p[j] = exp8(*(const v8u*)&p[j] - m);
           float sum = 0;
           for (int64_t j = 0; j < len; ++j) sum += p[j];
-          for (int64_t j = 0; j < len; ++j) p[j] = round_to<T>(p[j] / sum);
+          for (int64_t j = 0; j < len; j += 8) *(v8u*)&p[j] = round8<T>(*(const v8u*)&p[j] / sum);
           T* o = o_all + at;
-          for (int d = 0; d < dim; d += 8) {  // out = sum_j p_j v_j, 8 dims at a time in a register, j in order
-            v8 acc = {};
-            for (int64_t j = 0; j < len; ++j) acc += p[j] * *(const v8u*)&vh[j * kvs * dim + d];
-            for (int l = 0; l < 8; ++l) o[d + l] = static_cast<T>(acc[l]);
+          for (int d0 = 0; d0 < dim; d0 += 64) {  // out = sum_j p_j v_j: 64 dims at a time in registers, j in order
+            const int chunks = std::min(8, (dim - d0) / 8);
+            v8 acc[8] = {};
+            for (int64_t j = 0; j < len; ++j)
+              for (int c = 0; c < chunks; ++c) acc[c] += p[j] * *(const v8u*)&vh[j * kvs * dim + d0 + 8 * c];
+            for (int c = 0; c < chunks; ++c)
+              for (int l = 0; l < 8; ++l) o[d0 + 8 * c + l] = static_cast<T>(acc[c][l]);
           }
         }
     }

@@ -263,7 +263,7 @@ def test_draws_follow_the_distribution(probs, knobs, expected):
     worst case), and a token of probability 0 never drawn."""
     rows = torch.tensor(probs).log().expand(10_000, 5)
     u = sampler.uniforms([(7, i) for i in range(10_000)], rows.device)  # one seed, 10,000 positions
-    counts = torch.bincount(_draw(rows, [SamplingParams(**knobs)] * 10_000, u), minlength=5)
+    counts = torch.bincount(_draw(rows, [SamplingParams(**knobs)] * 10_000, u, rows.amax(-1)), minlength=5)
     freq = counts / counts.sum()
     assert (freq - torch.tensor(expected)).abs().max() < 0.02, freq
     assert all(c == 0 for c, e in zip(counts.tolist(), expected) if e == 0)
@@ -287,7 +287,7 @@ def test_a_nucleus_wider_than_the_sorted_head():
     """top_p 0.5 over 4,096 equally likely tokens keeps 2,048 of them (each 2^-12: the sums are exact), more
     than the HEAD that _draw looks among first, so it must sort them all."""
     u = sampler.uniforms([(i, 0) for i in range(4_000)], torch.device("cpu"))  # 4,000 seeds, one position
-    drawn = set(_draw(torch.zeros(4_000, 4096), [SamplingParams(top_p=0.5)] * 4_000, u).tolist())
+    drawn = set(_draw(torch.zeros(4_000, 4096), [SamplingParams(top_p=0.5)] * 4_000, u, torch.zeros(4_000)).tolist())
     assert sampler.HEAD < len(drawn) <= 2048  # ~1,760 distinct expected
 
 
