@@ -36,9 +36,9 @@ class EngineConfig:
     )
     quantization: str | None = knob(
         None,
-        "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks): a quarter of "
-        "bfloat16's weight bytes; its speed is in benchmarks/README.md. Unset: the default on a CPU without bf16 "
-        "dot products for a Q4_1 GGUF with --dtype auto",
+        "CPU: 4-bit matmul weights (a GGUF's own Q4 blocks) by 8-bit dot products, as llama.cpp: a quarter of "
+        "bfloat16's weight bytes; its speed is in benchmarks/README.md. Unset: the default for a Q4_1 GGUF with "
+        "--dtype auto wherever the CPU kernels run",
         type=str,
         choices=["int4"],
     )

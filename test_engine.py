@@ -323,7 +323,7 @@ def test_int4_is_the_same_model(smollm2_4_layers):
     logits = [dict(engine.generate([prompt], top5)[0].logprob.top) for engine in (dense, q4, bf16)]
     assert list(logits[0]) == list(logits[1])
     moved = [max(abs(lp[t] - logits[0][t]) for t in logits[0]) for lp in logits[1:]]
-    assert 0 < moved[0] < 0.15 and moved[0] < 2 * moved[1], moved
+    assert 0 < moved[0] < 0.15 and moved[0] < 3 * moved[1], moved  # here 0.099 and 0.078
     with pytest.raises(ValueError, match="CPU only"):
         LLM(quantization="int4", device="cuda")
 
