@@ -146,8 +146,8 @@ def _draw(x: torch.Tensor, params: list, u: torch.Tensor, top: torch.Tensor, hea
     temperature, top_p, min_p, k, far = to_device(table, x.dtype, dev).T.unsqueeze(-1)  # a column each
     # A row of NaN draws garbage, never out of bounds (a CUDA assert would end every sequence); sample() flags it.
     # Tokens e^60 times less likely than the row's best (top: x's row maxima; no rule keeps them, no draw reaches
-    # them) get exactly 0, so that the softmax makes no subnormal floats: a CPU takes ~100 cycles over each, and at
-    # temperature 0.2 a step of 64 rows made millions.
+    # them) get exactly 0, so that the softmax makes no subnormal floats: a CPU takes ~100 cycles over each, and a low
+    # temperature makes them by the million (benchmarks/README.md).
     z = x / temperature
     probs = z.masked_fill_(z < top[:, None] / temperature - 60, float("-inf")).softmax(-1)
     hp, order = probs.topk(head)  # best first

@@ -47,7 +47,6 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));  // 8 floats anywhere in a buffer
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
-
 typedef uint32_t v8w __attribute__((vector_size(32)));
 
 // x rounded to T's precision (bfloat16: to nearest even, a NaN kept one, by c10's conversion).

@@ -102,16 +102,21 @@ inline Ints low(Ints v) {
   return {_mm256_and_si256(v.a, m), _mm256_and_si256(v.b, m)};
 }
 inline Ints high(Ints v) { return low({_mm256_srli_epi16(v.a, 4), _mm256_srli_epi16(v.b, 4)}); }
-inline __m256i dot4(__m256i acc, __m256i u, __m256i x, bool nibbles) {
-  const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
-  const __m256i pairs =
-      nibbles ? _mm256_maddubs_epi16(u, x) : _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+template <bool NIBBLES>
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+  __m256i pairs;
+  if constexpr (NIBBLES) {
+    pairs = _mm256_maddubs_epi16(u, x);
+  } else {
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+    pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+  }
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 template <bool NIBBLES>
 inline Ints dot4(Ints acc, Ints u, int32_t x) {
   const __m256i xv = _mm256_set1_epi32(x);
-  return {dot4(acc.a, u.a, xv, NIBBLES), dot4(acc.b, u.b, xv, NIBBLES)};
+  return {dot4<NIBBLES>(acc.a, u.a, xv), dot4<NIBBLES>(acc.b, u.b, xv)};
 }
 inline Ints isub(Ints v, int32_t x) {
   return {_mm256_sub_epi32(v.a, _mm256_set1_epi32(x)), _mm256_sub_epi32(v.b, _mm256_set1_epi32(x))};
@@ -175,11 +180,15 @@ inline Ints high(Ints v) { return low({_mm512_srli_epi16(v.a, 4)}); }
 constexpr int32_t INT8_OFFSET = 0;  // as avx2's, vpsignb by a masked subtraction
 template <bool NIBBLES>
 inline Ints dot4(Ints acc, Ints u, int32_t x) {
-  const __m512i xv = _mm512_set1_epi32(x), q = _mm512_xor_si512(u.a, _mm512_set1_epi8(-128));
-  const __m512i pairs = NIBBLES ? _mm512_maddubs_epi16(u.a, xv)
-                                : _mm512_maddubs_epi16(_mm512_abs_epi8(q), _mm512_mask_sub_epi8(
-                                                                               xv, _mm512_movepi8_mask(q),
-                                                                               _mm512_setzero_si512(), xv));
+  const __m512i xv = _mm512_set1_epi32(x);
+  __m512i pairs;
+  if constexpr (NIBBLES) {
+    pairs = _mm512_maddubs_epi16(u.a, xv);
+  } else {  // x negated where q < 0
+    const __m512i q = _mm512_xor_si512(u.a, _mm512_set1_epi8(-128));
+    const __m512i signed_x = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xv);
+    pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(q), signed_x);
+  }
   return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
 }
 inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
@@ -344,7 +353,8 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
       Ints u[C][2];
       for (int c = 0; c < C; ++c) {
         const Ints v = codes(blk[c] + (EIGHT ? 64 : 128) + 64 * j);
-        u[c][0] = EIGHT ? v : low(v), u[c][1] = high(v);
+        u[c][0] = EIGHT ? v : low(v);
+        if constexpr (!EIGHT) u[c][1] = high(v);
       }
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {

@@ -94,8 +94,8 @@ def test_a_row_is_the_same_bits_in_any_batch(isa, dtype, quant):
 
 @pytest.mark.parametrize("dtype, quant", KINDS)
 def test_every_instruction_set_adds_in_one_order(dtype, quant):
-    # float32, int4 and int8 are FMA chains of the same order in all (VNNI's vpdpwssd gives vpmaddwd's exact int32
-    # sums); bfloat16 pairs too where vdpbf16ps is not used.
+    # float32, int4 and int8 are FMA chains of the same order in all (VNNI's vpdpbusd gives vpmaddubsw and
+    # vpmaddwd's exact int32 sums); bfloat16 pairs too where vdpbf16ps is not used.
     same = [isa for isa in ISAS if quant or dtype == torch.float32 or isa != "avx512_bf16"]
     if len(same) < 2:
         pytest.skip("this CPU runs one instruction set")

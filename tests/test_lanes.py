@@ -194,7 +194,7 @@ def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixe
 
 
 # Every kernel variant this CPU can run, in the modes whose code differs from the best variant's: the best ("") and
-# AVX2 in all; AVX-512 without BF16 in bfloat16 (FMA pairs, not vdpbf16ps) and int4 (vpmaddwd, not VNNI's vpdpwssd);
+# AVX2 in all; AVX-512 without BF16 in bfloat16 (FMA pairs, not vdpbf16ps) and int4 (vpmaddubsw, not VNNI's vpdpbusd);
 # the VNNI variants in int4, where VNNI acts. Off: the fallback.
 VARIANTS = [(m, mode) for m in ("", "avx2", "off") for mode in ("float32", "bfloat16", "int4")]
 VARIANTS += [("avx512", "bfloat16"), ("avx512", "int4"), ("avx2_vnni", "int4"), ("avx512_vnni", "int4")]
