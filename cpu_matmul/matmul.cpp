@@ -21,8 +21,8 @@
 //   scale + zero, q in 0..15) by integer dot products, as llama.cpp's Q4_1 by Q8_1: each row's 32 inputs of a
 //   group become int8 codes xq = round(x * 127 / amax) and a scale dx = amax / 127 (the row's own values alone;
 //   they move logprobs about as bfloat16 activations do, and halve the work of 16-bit codes), the group's sum of
-//   (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw and vpmaddwd, on 4 bytes of q a column, less 8 * the
-//   sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's float32
+//   (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw and vpmaddwd, on 4 bytes of q a column, from -8 *
+//   the sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's float32
 //   sum of x over the group, in k order. int8 (w = q * scale, q in -127..127, GGUF's Q8_0: the LM head beside
 //   int4 layers) likewise, with no zero. Float32, int4 and int8 give the same bits on AVX2 and AVX-512, with VNNI
 //   or without.
@@ -93,7 +93,7 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {  // x's k pair split likewise, k 
 // x signed as q (2 * 127 * 127), so that their sum is q's, not u's: INT8_OFFSET says which.
 using Ints = YmmInts;
 constexpr int32_t INT8_OFFSET = 0;
-inline Ints izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline Ints ibcast(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 inline Ints codes(const uint8_t* p) {
   return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
 }
@@ -118,9 +118,6 @@ inline Ints dot4(Ints acc, Ints u, int32_t x) {
   const __m256i xv = _mm256_set1_epi32(x);
   return {dot4<NIBBLES>(acc.a, u.a, xv), dot4<NIBBLES>(acc.b, u.b, xv)};
 }
-inline Ints isub(Ints v, int32_t x) {
-  return {_mm256_sub_epi32(v.a, _mm256_set1_epi32(x)), _mm256_sub_epi32(v.b, _mm256_set1_epi32(x))};
-}
 inline Vec to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 #define LANESERVE_KERNELS
@@ -133,7 +130,7 @@ inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.
 #pragma GCC target("avx2,fma,avxvnni")
 namespace avx2vnni {  // avx2's, but the codes' sums by AVX-VNNI's vpdpbusd (the same sums: exact in int32)
 using avx2::Vec, avx2::zero, avx2::bcast, avx2::load, avx2::store, avx2::fma, avx2::mul, avx2::Pair, avx2::load_pair;
-using avx2::Ints, avx2::izero, avx2::codes, avx2::low, avx2::high, avx2::isub, avx2::to_float;
+using avx2::Ints, avx2::ibcast, avx2::codes, avx2::low, avx2::high, avx2::to_float;
 using avx2::ROWS, avx2::COLS, avx2::COLS_INT4;
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx2::dot2(w, x, acc); }  // not its whole overload set
 constexpr int32_t INT8_OFFSET = 128;  // vpdpbusd sums u = q + 128
@@ -173,7 +170,7 @@ inline Vec dot2(Pair w, uint32_t x, Vec acc) {
   return fma(bcast(x1), w.odd, fma(bcast(x0), w.even, acc));
 }
 using Ints = ZmmInts;
-inline Ints izero() { return {_mm512_setzero_si512()}; }
+inline Ints ibcast(int32_t x) { return {_mm512_set1_epi32(x)}; }
 inline Ints codes(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 inline Ints low(Ints v) { return {_mm512_and_si512(v.a, _mm512_set1_epi8(15))}; }
 inline Ints high(Ints v) { return low({_mm512_srli_epi16(v.a, 4)}); }
@@ -191,7 +188,6 @@ inline Ints dot4(Ints acc, Ints u, int32_t x) {
   }
   return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
 }
-inline Ints isub(Ints v, int32_t x) { return {_mm512_sub_epi32(v.a, _mm512_set1_epi32(x))}; }
 inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
 inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 #define LANESERVE_KERNELS
@@ -204,7 +200,7 @@ inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 namespace avx512vnni {  // avx512's, but the codes' sums by vpdpbusd (VNNI without BF16: Ice Lake, Cascade Lake)
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::izero, avx512::codes, avx512::low, avx512::high, avx512::isub, avx512::to_float;
+using avx512::Ints, avx512::ibcast, avx512::codes, avx512::low, avx512::high, avx512::to_float;
 using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512::Pair, avx512::load_pair;
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx512::dot2(w, x, acc); }  // not its whole overload set
 constexpr int32_t INT8_OFFSET = 128;  // vpdpbusd sums u = q + 128
@@ -220,7 +216,7 @@ inline Ints dot4(Ints acc, Ints u, int32_t x) { return {_mm512_dpbusd_epi32(acc.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
 namespace avx512bf16 {  // avx512vnni's, but bfloat16 pairs by vdpbf16ps
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::izero, avx512::codes, avx512::low, avx512::high, avx512::isub, avx512::to_float;
+using avx512::Ints, avx512::ibcast, avx512::codes, avx512::low, avx512::high, avx512::to_float;
 using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512vnni::dot4, avx512vnni::INT8_OFFSET;
 struct Pair { __m512bh w; };
 inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
@@ -348,7 +344,7 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
       prefetch(blk[c], BYTES);
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) s[r][c] = izero();
+      for (int c = 0; c < C; ++c) s[r][c] = ibcast(-xqsum[r * G + g]);  // the offset first: a load, no ALU op
     for (int j = 0; j < (EIGHT ? 8 : 4); ++j) {  // int8: k quad j; int4: quads j (low nibbles) and 4 + j (high)
       Ints u[C][2];
       for (int c = 0; c < C; ++c) {
@@ -366,7 +362,7 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
     for (int c = 0; c < C; ++c) {
       Vec scale = load(reinterpret_cast<const float*>(blk[c]));
       for (int r = 0; r < R; ++r) {
-        const Vec sum = to_float(isub(s[r][c], xqsum[r * G + g]));
+        const Vec sum = to_float(s[r][c]);
         if constexpr (EIGHT) {
           acc[r][c] = fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]);
         } else {
