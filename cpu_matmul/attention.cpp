@@ -3,18 +3,19 @@
 // 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
 //
 // - Tasks: one per run of a sequence's consecutive tokens (in a step of few runs, one per KV head and the query
-//   heads that read it, or per query head, so that one stream's token uses every thread), split over threads by
-//   at::parallel_for (never within a head), so a token's bits never depend on the other tokens of the step or on
-//   the thread count. A task copies the keys and values of the KV heads it reads (each slot's heads together) to
-//   float32 buffers, once for its run's tokens (a verify step's drafts read the same keys), then computes each
-//   token's query heads.
+//   heads that read it, or per query head, and a run's tokens in parts, so that one stream's tokens use every
+//   thread), split over threads by at::parallel_for (never within a head), so a token's bits never depend on the
+//   other tokens of the step or on the thread count. A task copies the keys and values of the KV heads it reads
+//   (each slot's heads together) to float32 buffers, once for its tokens (a verify step's drafts read the same
+//   keys), then computes each token's query heads.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
 //   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
 //   out = T(sum_j p_j v_j). Products and sums in float32; e^x by exp8, the same polynomial in every lane.
 // - Order, fixed: a dot product over d accumulates 8 lanes (lane d % 8) from d = 0 up, then adds the lanes
-//   pairwise ((0+1)+(2+3))+((4+5)+(6+7)); softmax sums e_j over j = start, start + 1, ..., pos; each output
-//   element accumulates over j in the same order. Built with -ffp-contract=off: no fused multiply-adds. AVX2
-//   vectors (where cpu_matmul.isa() vouches for it), elementwise, so AVX-512 machines give the same bits.
+//   pairwise ((0+1)+(2+3))+((4+5)+(6+7)); softmax sums e_j likewise, lane (j - start) % 8 from j = start up; each
+//   output element accumulates over j = start, start + 1, ..., pos. Built with -ffp-contract=off: no fused
+//   multiply-adds. AVX2 vectors (where cpu_matmul.isa() vouches for it), elementwise, so AVX-512 machines give the
+//   same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -68,6 +69,9 @@ inline v8 sums8(const v8 (&a)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
 }
 
+// t's lanes added pairwise, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)).
+inline float sum8(v8 t) { return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])); }
+
 // e^x for x <= 0, 8 at a time (Cephes' expf: x = n ln 2 + r, a degree-7 polynomial in r, times 2^n); elementwise,
 // so a value's result does not depend on its lane. Below -87 (e^x < 2^-125) gives e^-87.
 inline v8 exp8(v8 x) {
@@ -102,24 +106,34 @@ void run(const Args& a) {
   const T* q_all = static_cast<const T*>(a.query);
   const C *k_cache = static_cast<const C*>(a.k_cache), *v_cache = static_cast<const C*>(a.v_cache);
   T* o_all = static_cast<T*>(a.out);
-  // A task: one run of tokens (a sequence's consecutive rows: one token, or a verify step's drafts, which share
-  // their keys, copied once); in a step of too few runs to keep every thread busy (one stream's), one of its KV
-  // heads with the query heads that read it, or one query head where there are too few of those. A head's
-  // arithmetic is the same either way.
+  // A task: tokens [first, last) of one run (a sequence's consecutive rows: one token, or a verify step's drafts,
+  // which share their keys, copied once), query heads [head0, head1). In a step of too few runs to keep every
+  // thread busy (one stream's), a run's KV heads (each with the query heads that read it), or its query heads
+  // where there are too few of those, and its tokens in parts, go to tasks of their own. A token's arithmetic is
+  // the same whichever task computes it.
+  struct Task { int64_t first, last, head0, head1; };
   std::vector<int64_t> runs{0};  // run r: tokens runs[r] .. runs[r + 1] - 1
   for (int64_t i = 1; i <= a.n; ++i)
     if (i == a.n || a.seqs[i] != a.seqs[i - 1]) runs.push_back(i);
   const int64_t threads = at::get_num_threads(), n = runs.size() - 1;
   const int64_t split = n >= 4 * threads ? 1 : n * a.kv_heads >= threads ? a.kv_heads : a.heads;
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t len = runs[r + 1] - runs[r], parts = std::min(len, (2 * threads - 1) / (n * split) + 1);
+    for (int64_t h = 0; h < split; ++h)
+      for (int64_t t = 0; t < parts; ++t)
+        tasks.push_back({runs[r] + t * len / parts, runs[r] + (t + 1) * len / parts, h * a.heads / split,
+                         (h + 1) * a.heads / split});
+  }
   auto first = [&](int64_t i) { return a.window > 0 ? std::max<int64_t>(0, a.positions[i] - a.window + 1) : 0; };
-  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(dim), k, v, p;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / split, head0 = task % split * a.heads / split, head1 = head0 + a.heads / split;
+      const auto [first_token, last_token, head0, head1] = tasks[task];
       const int64_t kv0 = head0 / group, kvs = (head1 - 1) / group + 1 - kv0;  // the KV heads it reads
-      int64_t lo = first(runs[r]), hi = 0;  // the keys its tokens read
-      for (int64_t i = runs[r]; i < runs[r + 1]; ++i) lo = std::min(lo, first(i)), hi = std::max(hi, a.positions[i]);
-      const int64_t keys = hi + 1 - lo, *table = a.tables + a.seqs[runs[r]] * a.width;
+      int64_t lo = first(first_token), hi = 0;  // the keys its tokens read
+      for (int64_t i = first_token; i < last_token; ++i) lo = std::min(lo, first(i)), hi = std::max(hi, a.positions[i]);
+      const int64_t keys = hi + 1 - lo, *table = a.tables + a.seqs[first_token] * a.width;
       k.resize((keys + 8) * kvs * dim), v.resize(keys * kvs * dim), p.resize(keys + 8);  // 8 spare keys, floats
       for (int64_t j = 0; j < keys; ++j) {  // key lo + j's slot: block table[(lo + j) / block_size], row the rest
         const int64_t slot = table[(lo + j) / a.block_size] * a.block_size + (lo + j) % a.block_size;
@@ -131,7 +145,7 @@ void run(const Args& a) {
           }
         }
       }
-      for (int64_t i = runs[r]; i < runs[r + 1]; ++i)
+      for (int64_t i = first_token; i < last_token; ++i)
         for (int64_t head = head0; head < head1; ++head) {
           const int64_t start = first(i) - lo, len = a.positions[i] + 1 - first(i);  // its keys: start.. in k, v
           const int64_t at = (a.rows[i] * a.heads + head) * dim, h = head / group - kv0;  // offset in query and out
@@ -143,11 +157,18 @@ void run(const Args& a) {
               for (int t = 0; t < 8; ++t) acc[t] += *(const v8u*)&q[d] * *(const v8u*)&kh[(j + t) * kvs * dim + d];
             *(v8u*)&p[j] = round8<T>(sums8(acc));
           }
-          const float m = *std::max_element(p.begin(), p.begin() + len);  // softmax, each probability rounded to T
-          for (int64_t j = 0; j < len; j += 8)  // the last chunk runs past len, into p's 8 spare floats
-            *(v8u*)&p[j] = exp8(*(const v8u*)&p[j] - m);
-          float sum = 0;
-          for (int64_t j = 0; j < len; ++j) sum += p[j];
+          // Softmax, each probability rounded to T. The last chunk runs past len, into p's 8 spare floats: -inf
+          // for the maximum, then 0 for the sum, which adds lanes j % 8 over the chunks, then the lanes pairwise.
+          const int64_t end = (len + 7) / 8 * 8;
+          std::fill(p.begin() + len, p.begin() + end, -__builtin_inff());
+          v8 top = *(const v8u*)&p[0], total = {};
+          for (int64_t j = 8; j < len; j += 8) top = top > *(const v8u*)&p[j] ? top : *(const v8u*)&p[j];
+          float m = top[0];
+          for (int l = 1; l < 8; ++l) m = std::max(m, top[l]);
+          for (int64_t j = 0; j < len; j += 8) *(v8u*)&p[j] = exp8(*(const v8u*)&p[j] - m);
+          std::fill(p.begin() + len, p.begin() + end, 0.0f);
+          for (int64_t j = 0; j < len; j += 8) total += *(const v8u*)&p[j];
+          const float sum = sum8(total);
           for (int64_t j = 0; j < len; j += 8) *(v8u*)&p[j] = round8<T>(*(const v8u*)&p[j] / sum);
           T* o = o_all + at;
           for (int d0 = 0; d0 < dim; d0 += 64) {  // out = sum_j p_j v_j: 64 dims at a time in registers, j in order
