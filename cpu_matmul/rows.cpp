@@ -71,8 +71,9 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache, T* v_
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         const T* xh = x + h * dim;
         T* out = h < heads ? q + (t * heads + h) * dim : k.data() + (h - heads) * dim;
-        for (int64_t i = 0; i < dim; ++i)
-          out[i] = T(std::fma(float(xh[(i + dim / 2) % dim]), float(s[i]), float(T(float(xh[i]) * float(c[i])))));
+        for (int64_t half = 0; half < dim; half += dim / 2)  // in halves: roll's source index without a modulo
+          for (int64_t i = half, from = dim / 2 - 2 * half; i < half + dim / 2; ++i)
+            out[i] = T(std::fma(float(xh[i + from]), float(s[i]), float(T(float(xh[i]) * float(c[i])))));
       }
       if (slots[t] >= 0) {
         put_row(k.data(), k_cache + slots[t] * row);
