@@ -20,6 +20,7 @@ INT4_GROUP = 32  # inputs sharing one scale and zero, as in GGUF's Q4_0/Q4_1 blo
 ROW_TILE = 64  # the most rows per matmul call: see row_tile
 KEY_BUCKET = 64  # a token's keys rounded up to a multiple of this: see BucketedAttention
 GROUP = 64  # prompt positions per attention item: see BucketedAttention (KEY_BUCKET is a multiple)
+TOKEN_PROMPT = 192  # prompt positions token_attention computes, where it runs: see BucketedAttention (GROUP's multiple)
 CALL_BYTES = 8 << 20  # the keys one of BucketedAttention's batched matmuls reads, at most (as many values)
 
 
@@ -107,8 +108,9 @@ class FusedBlock:
     """Block.forward's bits for a Llama layer on cpu_matmul, in fewer ops and with its modules looked up once (at one
     stream a step is mostly per-op Python and dispatch beside the weights: BENCHMARKS.md, "A layer in two ops"):
     RoPE and the K/V store are one op (rows.cpp's rope_store), the residual add rides on the o matmul, and the MLP
-    with its norm and residual is one op (layer.cpp's mlp); in a step of generated tokens alone (every decode step)
-    so is the attention half (layer.cpp's attend). An 8-bit cache takes Block.forward."""
+    with its norm and residual is one op (layer.cpp's mlp); in a step whose tokens all take token_attention (a
+    decode step, a short prompt's prefill) so is the attention half (layer.cpp's attend). An 8-bit cache takes
+    Block.forward."""
 
     def __init__(self, block: Block):
         self.block, self.heads, self.scale, self.window = block, block.heads, block.scale, block.window
@@ -267,11 +269,14 @@ class BucketedAttention:
     sequence's first b keys, b = p + 1 rounded up (key_bucket), those past p masked:
     - A generated token is its own item: scores ([heads, kv_heads * dim] by [kv_heads * dim, b]) and weighted values
       ([heads, b] by [b, kv_heads * dim]), with its own copy of the keys. Items with the same b run together.
-      Where cpu_matmul builds (kernel), its token_attention computes every generated token instead, one task per
-      token (or KV head or query head, in a step of few tokens), reading only keys 0..p.
-    - Prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV head its
-      own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step does not
-      bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of its keys.
+      Where cpu_matmul builds (kernel), its token_attention computes every generated token instead, and the prompt
+      tokens at positions below TOKEN_PROMPT (where it is the faster: a short prompt's whole prefill is then the
+      one-op layers of FusedBlock), one task per run of a sequence's tokens (or per KV head or query head and part
+      of the run, in a step of few runs), each token reading only keys 0..p.
+    - Other prompt tokens come GROUP positions to an item, [GROUP * g, GROUP * (g + 1)) of one sequence, each KV
+      head its own: ([GROUP * heads / kv_heads, dim] by [dim, b]), then ([..., b] by [b, dim]); positions the step
+      does not bring are rows of zeros. Key buckets are multiples of GROUP, so a group shares one b and one copy of
+      its keys.
     The softmax runs between the matmuls in the query's dtype, where HF's eager attention rounds. An 8-bit cache's
     keys and values are dequantized to it as they are copied, each token's from its own codes and scale alone. No
     batch has one item (float32's batched matmul takes another kernel for one): a lone item runs twice. Copies are
@@ -318,6 +323,8 @@ class BucketedAttention:
                 for i in range(0, len(members), per):
                     yield b, members, members[i : i + per]
 
+        if self.kernel:  # the prompt's first TOKEN_PROMPT positions are token_attention's too
+            prompt &= pos >= TOKEN_PROMPT
         generated = (~prompt).nonzero()[:, 0]
         if self.kernel:
             token_calls = [(tables, generated, seq[generated], pos[generated])] if len(generated) else []

@@ -1,10 +1,10 @@
-"""Batch-invariant CPU kernels: attention for generated tokens (attention.cpp, the op token_attention, which
-cpu.BucketedAttention calls) and the matmul, y = x Wᵀ by matmul.cpp, each row's result the same bits whatever else
-the batch holds and however many threads run it, so that cpu.py needs no row tiles where it is used: one row is a
-matrix-vector product streaming the weights once. float32 and bfloat16 weights, the int4 groups of
---quantization int4 (GGUF's Q4_1: w = q * scale + min), and int8 groups for its LM head (GGUF's Q8_0:
-w = q * scale). Beside them the row-wise ops (rows.cpp: rms_norm, rope_store) and a Llama layer's decode halves
-composed from all these in C++ (layer.cpp: attend, mlp; cpu.FusedBlock calls them). Built with
+"""Batch-invariant CPU kernels: attention token by token (attention.cpp, the op token_attention, which
+cpu.BucketedAttention calls for generated tokens and short prompts' tokens) and the matmul, y = x Wᵀ by matmul.cpp,
+each row's result the same bits whatever else the batch holds and however many threads run it, so that cpu.py needs
+no row tiles where it is used: one row is a matrix-vector product streaming the weights once. float32 and bfloat16
+weights, the int4 groups of --quantization int4 (GGUF's Q4_1: w = q * scale + min), and int8 groups for its LM head
+(GGUF's Q8_0: w = q * scale). Beside them the row-wise ops (rows.cpp: rms_norm, rope_store) and a Llama layer's
+decode halves composed from all these in C++ (layer.cpp: attend, mlp; cpu.FusedBlock calls them). Built with
 torch.utils.cpp_extension on first use, as attention_cuda is; where it does not build, or the CPU has none of its
 instruction sets, isa() is None and cpu.py keeps its tiles. LANESERVE_CPU_MATMUL chooses: off (the tiles), avx2,
 avx2_vnni, avx512, avx512_vnni or avx512_bf16; unset, the best this CPU has."""

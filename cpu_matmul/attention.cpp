@@ -1,6 +1,7 @@
-// Batch-invariant CPU attention for generated tokens, registered as torch.ops.laneserve_cpu.token_attention:
-// each generated token (a decode, or a recomputed output token) attends to its own sequence's cached keys
-// 0..pos (the last `window` of them, if set), computed by one task whatever the batch and thread count.
+// Batch-invariant CPU attention token by token, registered as torch.ops.laneserve_cpu.token_attention: each token
+// it is given (a decode, a recomputed output token, a draft, a short prompt's token: cpu.BucketedAttention says
+// which) attends to its own sequence's cached keys 0..pos (the last `window` of them, if set), computed the same
+// way whatever the batch, the task holding it and the thread count.
 //
 // - Tasks: one per run of a sequence's consecutive tokens (in a step of few runs, one per KV head and the query
 //   heads that read it, or per query head, and a run's tokens in parts, so that one stream's tokens use every
@@ -26,6 +27,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -100,17 +102,28 @@ inline v8 load8(const C* x, float scale) {
   return r;
 }
 
+// out = sum_j p_j v_j for CH chunks of 8 dims, j in order (CH a constant: the sums stay in registers).
+template <int CH, typename T>
+inline void weighted(const float* p, const float* vh, int64_t stride, int64_t len, T* o) {
+  v8 acc[CH] = {};
+  for (int64_t j = 0; j < len; ++j)
+    for (int c = 0; c < CH; ++c) acc[c] += p[j] * *(const v8u*)&vh[j * stride + 8 * c];
+  for (int c = 0; c < CH; ++c)
+    for (int l = 0; l < 8; ++l) o[8 * c + l] = static_cast<T>(acc[c][l]);
+}
+
 template <typename T, typename C>
 void run(const Args& a) {
   const int dim = a.dim, group = a.heads / a.kv_heads;
   const T* q_all = static_cast<const T*>(a.query);
   const C *k_cache = static_cast<const C*>(a.k_cache), *v_cache = static_cast<const C*>(a.v_cache);
   T* o_all = static_cast<T*>(a.out);
-  // A task: tokens [first, last) of one run (a sequence's consecutive rows: one token, or a verify step's drafts,
-  // which share their keys, copied once), query heads [head0, head1). In a step of too few runs to keep every
-  // thread busy (one stream's), a run's KV heads (each with the query heads that read it), or its query heads
-  // where there are too few of those, and its tokens in parts, go to tasks of their own. A token's arithmetic is
-  // the same whichever task computes it.
+  // A task: tokens [first, last) of one run (a sequence's consecutive rows: one token, a verify step's drafts or
+  // a prompt's tokens, which share their keys, copied once), query heads [head0, head1). In a step of too few runs
+  // to keep every thread busy (one stream's), a run's KV heads (each with the query heads that read it), or its
+  // query heads where there are too few of those, and its tokens in parts (at most 16 tokens each), go to tasks
+  // of their own. Threads take tasks in order as they come free, a run's last (costliest) part first. A token's
+  // arithmetic is the same whichever task and thread compute it.
   struct Task { int64_t first, last, head0, head1; };
   std::vector<int64_t> runs{0};  // run r: tokens runs[r] .. runs[r + 1] - 1
   for (int64_t i = 1; i <= a.n; ++i)
@@ -119,16 +132,18 @@ void run(const Args& a) {
   const int64_t split = n >= 4 * threads ? 1 : n * a.kv_heads >= threads ? a.kv_heads : a.heads;
   std::vector<Task> tasks;
   for (int64_t r = 0; r < n; ++r) {
-    const int64_t len = runs[r + 1] - runs[r], parts = std::min(len, (2 * threads - 1) / (n * split) + 1);
-    for (int64_t h = 0; h < split; ++h)
-      for (int64_t t = 0; t < parts; ++t)
+    const int64_t len = runs[r + 1] - runs[r];
+    const int64_t parts = std::max((len + 15) / 16, std::min(len, (2 * threads - 1) / (n * split) + 1));
+    for (int64_t t = parts - 1; t >= 0; --t)
+      for (int64_t h = 0; h < split; ++h)
         tasks.push_back({runs[r] + t * len / parts, runs[r] + (t + 1) * len / parts, h * a.heads / split,
                          (h + 1) * a.heads / split});
   }
   auto first = [&](int64_t i) { return a.window > 0 ? std::max<int64_t>(0, a.positions[i] - a.window + 1) : 0; };
-  at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) {
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> q(dim), k, v, p;
-    for (int64_t task = begin; task < end; ++task) {
+    for (size_t task; (task = next++) < tasks.size();) {
       const auto [first_token, last_token, head0, head1] = tasks[task];
       const int64_t kv0 = head0 / group, kvs = (head1 - 1) / group + 1 - kv0;  // the KV heads it reads
       int64_t lo = first(first_token), hi = 0;  // the keys its tokens read
@@ -171,14 +186,9 @@ void run(const Args& a) {
           const float sum = sum8(total);
           for (int64_t j = 0; j < len; j += 8) *(v8u*)&p[j] = round8<T>(*(const v8u*)&p[j] / sum);
           T* o = o_all + at;
-          for (int d0 = 0; d0 < dim; d0 += 64) {  // out = sum_j p_j v_j: 64 dims at a time in registers, j in order
-            const int chunks = std::min(8, (dim - d0) / 8);
-            v8 acc[8] = {};
-            for (int64_t j = 0; j < len; ++j)
-              for (int c = 0; c < chunks; ++c) acc[c] += p[j] * *(const v8u*)&vh[j * kvs * dim + d0 + 8 * c];
-            for (int c = 0; c < chunks; ++c)
-              for (int l = 0; l < 8; ++l) o[d0 + 8 * c + l] = static_cast<T>(acc[c][l]);
-          }
+          int d0 = 0;  // 64 dims at a time, then 8
+          for (; d0 + 64 <= dim; d0 += 64) weighted<8>(p.data(), vh + d0, kvs * dim, len, o + d0);
+          for (; d0 < dim; d0 += 8) weighted<1>(p.data(), vh + d0, kvs * dim, len, o + d0);
         }
     }
   });

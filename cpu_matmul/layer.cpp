@@ -1,7 +1,7 @@
 // A Llama layer's decode step as two ops, composed in C++ from the kernels' ops so that a step of one token pays
 // no Python between them: glue, no arithmetic of its own (cpu.FusedBlock calls them; their Python form is its
 // other path, and test_cpu_matmul.py checks both give Block.forward's logits bit for bit).
-// - attend: the attention half for a step of generated tokens, x + o(token_attention(rope_store(qkv(
+// - attend: the attention half for a step whose tokens all take token_attention, x + o(token_attention(rope_store(qkv(
 //   rms_norm(x))))): one op where the Python form takes six, and BucketedAttention's Python.
 // - mlp: the MLP with its norm and residual, x + down(silu(gate) * up) of gate_up(rms_norm(x)), silu and mul by
 //   ATen: one op where the Python form takes seven.
