@@ -323,11 +323,11 @@ class BucketedAttention:
                 for i in range(0, len(members), per):
                     yield b, members, members[i : i + per]
 
-        if self.kernel:  # the prompt's first TOKEN_PROMPT positions are token_attention's too
-            prompt &= pos >= TOKEN_PROMPT
         generated = (~prompt).nonzero()[:, 0]
-        if self.kernel:
-            token_calls = [(tables, generated, seq[generated], pos[generated])] if len(generated) else []
+        if self.kernel:  # token_attention: the generated tokens, and the prompt's first TOKEN_PROMPT positions
+            prompt &= pos >= TOKEN_PROMPT
+            tokens = (~prompt).nonzero()[:, 0]
+            token_calls = [(tables, tokens, seq[tokens], pos[tokens])] if len(tokens) else []
             generated = generated[:0]
         for b, rows, r in calls(key_bucket(pos + 1, smallest)[generated], 2):
             if len(r) == 1:  # run a lone row with the one before it, or twice
