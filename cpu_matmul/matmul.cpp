@@ -23,8 +23,8 @@
 //   they move logprobs about as bfloat16 activations do, and halve the work of 16-bit codes), the group's sum of
 //   (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw and vpmaddwd, on 4 bytes of q a column, from -8 *
 //   the sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's float32
-//   sum of x over the group, in k order. int8 (w = q * scale, q in -127..127, GGUF's Q8_0: the LM head beside
-//   int4 layers) likewise, with no zero. Float32, int4 and int8 give the same bits on AVX2 and AVX-512, with VNNI
+//   sum of x over the group (lane k % 8 of 8 from k = 0 up, then the lanes pairwise). int8 (w = q * scale, q in
+//   -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero. Float32, int4 and int8 give the same bits on AVX2 and AVX-512, with VNNI
 //   or without.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
 //   including this file into a namespace under #pragma GCC target (avx2, avx2vnni, avx512, avx512vnni, avx512bf16),
@@ -60,6 +60,17 @@ inline void with_rows(int r, F&& f) {
     if (r < R) return with_rows<R - 1>(r, f);
   f(std::integral_constant<int, R>{});
 }
+
+// 8 lanes (GCC vectors: the same code for AVX2 and AVX-512), for x's activation codes in linear().
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef float F8u __attribute__((vector_size(32), aligned(4), may_alias));  // 8 floats anywhere
+typedef uint16_t U16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef int8_t C8 __attribute__((vector_size(8)));
+typedef int8_t C8u __attribute__((vector_size(8), aligned(1), may_alias));
+// The lanes added pairwise, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)).
+template <typename V>
+inline auto sum8(V t) { return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])); }
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -383,23 +394,31 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
   std::vector<float> dx(codes ? M * G : 0), xsum(dx.size());
   std::vector<int32_t> xqsum(dx.size());
   std::vector<int32_t> xp(codes ? M * K / 4 : 0);
-  if (codes) {  // each row's groups quantized to int8, from their own values alone
-    at::parallel_for(0, M * G, 4096, [&](int64_t b, int64_t e) {  // a decode step's few groups: no threads
+  if (codes) {  // each row's groups quantized to int8, from their own values alone, 8 k's a vector
+    at::parallel_for(0, M * G, 512, [&](int64_t b, int64_t e) {  // a few rows' groups: no threads to wake
+      const F8 lo = F8{} - 127.0f, hi = F8{} + 127.0f, even = F8{} + 12582912.0f;  // 1.5 * 2^23
       for (int64_t i = b; i < e; ++i) {
-        float v[32];  // x's group in float32 (from bfloat16: exact)
-        for (int k = 0; k < 32; ++k)
-          v[k] = x_bf16 ? __builtin_bit_cast(float, uint32_t(static_cast<const uint16_t*>(x)[i * 32 + k]) << 16)
-                        : static_cast<const float*>(x)[i * 32 + k];
-        float amax = 0, sum = 0;
-        for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k])), sum += v[k];
-        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-        int32_t qsum = 0;
-        int8_t* q = reinterpret_cast<int8_t*>(xp.data() + i * 8);
-        for (int k = 0; k < 32; ++k) {
-          q[k] = (int8_t)std::nearbyint(std::min(127.0f, std::max(-127.0f, v[k] * inv)));
-          qsum += q[k];
+        F8 v[4], top{}, total{};  // x's group in float32 (from bfloat16: exact)
+        for (int c = 0; c < 4; ++c) {
+          const int64_t at = i * 32 + 8 * c;
+          v[c] = x_bf16 ? (F8)(__builtin_convertvector(*(const U16x8*)(static_cast<const uint16_t*>(x) + at), I8) << 16)
+                        : *(const F8u*)(static_cast<const float*>(x) + at);
+          const F8 a = (F8)((I8)v[c] & 0x7fffffff);  // |v|
+          top = top < a ? a : top, total += v[c];
         }
-        dx[i] = amax / 127.0f, xsum[i] = sum, xqsum[i] = (kind == INT8 ? INT8_OFFSET : 8) * qsum;
+        float amax = 0;
+        for (int l = 0; l < 8; ++l) amax = std::max(amax, top[l]);
+        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+        I8 qsum{};
+        int8_t* q = reinterpret_cast<int8_t*>(xp.data() + i * 8);
+        for (int c = 0; c < 4; ++c) {
+          F8 y = v[c] * inv;
+          y = lo < y ? y : lo, y = y < hi ? y : hi;  // a NaN to -127
+          const I8 n = __builtin_convertvector((y + even) - even, I8);  // to nearest even, as nearbyint: |y| < 2^22
+          qsum += n;
+          *(C8u*)(q + 8 * c) = __builtin_convertvector(n, C8);
+        }
+        dx[i] = amax / 127.0f, xsum[i] = sum8(total), xqsum[i] = (kind == INT8 ? INT8_OFFSET : 8) * sum8(qsum);
       }
     });
   }
