@@ -24,8 +24,9 @@ class EngineConfig:
     device: str = knob("auto", "cpu, cuda or cuda:N; auto: CUDA when available")
     dtype: str = knob(
         "auto",
-        "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 dot products, else float32 (on a CPU, a "
-        "Q4_1 GGUF's matmuls in its own 4-bit blocks: --quantization int4); float32: transformers' numbers",
+        "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 dot products, else float32; float32 too "
+        "beside 4-bit weights (on a CPU, a Q4_1 GGUF's matmuls run in its own blocks: --quantization int4, as "
+        "llama.cpp); float32: transformers' numbers",
         choices=["auto", "float32", "float16", "bfloat16"],
     )
     kv_cache_dtype: str = knob(

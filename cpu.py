@@ -54,7 +54,7 @@ def choices(dtype: torch.dtype, quantization: str | None) -> str:
     units = "has bf16 dot products" if has_bf16_units() else "has no bf16 dot products"
     name = str(dtype).removeprefix("torch.")
     weights_as = (
-        f"4-bit groups (int4: a Q4_1 GGUF's own blocks) by 8-bit dot products as llama.cpp, the rest in {name}"
+        f"4-bit groups (int4: a Q4_1 GGUF's own blocks) by 8-bit codes of {name} activations, as llama.cpp"
         if quantization
         else f"{name}: this CPU {units}"
     )

@@ -119,9 +119,6 @@ class ModelRunner:
         )
         self.rank, tp_size = (self.tp.rank, self.tp.size) if self.tp else (0, 1)
         self.device = self.tp.device if self.tp else device
-        default = torch.float32 if self.device.type == "cpu" and not cpu.has_bf16_units() else torch.bfloat16
-        self.dtype = default if c.dtype == "auto" else getattr(torch, c.dtype)
-        self.kv_dtype = KV_CACHE_DTYPES.get(c.kv_cache_dtype, self.dtype)
         if self.device.index is not None:
             torch.cuda.set_device(self.device)  # kernels and graph captures use the current device's stream
         # Rank 0 loads (checking the checkpoint against tp_size) before it spawns anyone, so a bad setting
@@ -148,14 +145,23 @@ class ModelRunner:
 
     def _load(self, model_config: ModelConfig | None, tp_size: int) -> None:
         """The weights (this rank's part of them) into a Transformer on the device."""
-        c = self.config
+        c, on_cpu = self.config, self.device.type == "cpu"
+        if c.dummy_weights and model_config is None and c.model not in weights.PRESETS:
+            raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
+        self.checkpoint_path = None if c.dummy_weights else weights.resolve_checkpoint(c.model, c.model_path)
+        # Unset on a CPU: a Q4_1 GGUF's own 4-bit blocks where the kernels run (cpu.own_format).
+        self.quantization = c.quantization or (
+            cpu.own_format(self.checkpoint_path) if on_cpu and c.dtype == "auto" else None
+        )
+        # auto: float32 beside 4-bit weights, as llama.cpp (their kernel makes 8-bit codes of it either way: bfloat16
+        # would round the residual stream to save little), else bfloat16 where it is fast (CUDA, bf16 units).
+        wide = on_cpu and (self.quantization or not cpu.has_bf16_units())
+        self.dtype = (torch.float32 if wide else torch.bfloat16) if c.dtype == "auto" else getattr(torch, c.dtype)
+        self.kv_dtype = KV_CACHE_DTYPES.get(c.kv_cache_dtype, self.dtype)
         if c.dummy_weights:
-            if model_config is None and c.model not in weights.PRESETS:
-                raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
-            self.model_config, self.checkpoint_path = model_config or weights.PRESETS[c.model], None
+            self.model_config = model_config or weights.PRESETS[c.model]
             state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device, self.rank, tp_size)
         else:
-            self.checkpoint_path = weights.resolve_checkpoint(c.model, c.model_path)
             if self.rank == 0:
                 print(f"loading {self.checkpoint_path}", file=sys.stderr)
             self.model_config, state = weights.load_weights(self.checkpoint_path, self.dtype, self.rank, tp_size)
@@ -176,11 +182,6 @@ class ModelRunner:
         )
         self.model = Transformer(mc, self.max_model_len, self.device, tp_size)
         weights.load_state_dict(self.model, state)
-        # Unset on a CPU: a Q4_1 GGUF's own 4-bit blocks where the kernels run (cpu.own_format).
-        on_cpu = self.device.type == "cpu"
-        self.quantization = c.quantization or (
-            cpu.own_format(self.checkpoint_path) if on_cpu and c.dtype == "auto" else None
-        )
         if on_cpu:
             cpu.optimize(self.model, self.quantization, c.max_num_seqs)
 

@@ -512,9 +512,9 @@ def test_float16_on_cpu_takes_the_torch_forms():
 
 
 def test_a_q4_1_gguf_is_served_in_its_own_blocks_where_the_kernels_run(monkeypatch):
-    # As llama.cpp serves the file: the GGUF's 4-bit stream (int4 gives back its codes) by 8-bit dot products, on
-    # any CPU the kernels run on; the rest in float32 where the CPU has no bf16 dot products. float32 throughout,
-    # transformers' numbers, by --dtype float32; without the kernels, the dtype's weights.
+    # As llama.cpp serves the file: the GGUF's 4-bit stream (int4 gives back its codes) by 8-bit codes of float32
+    # activations, on any CPU the kernels run on, bf16 dot products or not. float32 throughout, transformers'
+    # numbers, by --dtype float32; without the kernels, the dtype's weights (bfloat16 where the CPU computes it).
     path = weights.resolve_checkpoint()
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: False)
     assert cpu.own_format(path) == "int4" and cpu.own_format(None) is None
@@ -528,5 +528,7 @@ def test_a_q4_1_gguf_is_served_in_its_own_blocks_where_the_kernels_run(monkeypat
     assert "Q4_1 GGUF's own blocks" in cpu.choices(torch.float32, "int4")
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: True)
     assert cpu.own_format(path) == "int4" and "bfloat16: this CPU has bf16" in cpu.choices(torch.bfloat16, None)
+    assert (LLM(device="cpu", num_kv_blocks=64).dtype, asked.dtype) == (torch.float32, torch.float32)
     monkeypatch.setenv("LANESERVE_CPU_MATMUL", "off")
     assert cpu.own_format(path) is None
+    assert LLM(device="cpu", num_kv_blocks=64).dtype == torch.bfloat16
