@@ -153,8 +153,9 @@ class ModelRunner:
         self.quantization = c.quantization or (
             cpu.own_format(self.checkpoint_path) if on_cpu and c.dtype == "auto" else None
         )
-        # auto: float32 beside 4-bit weights, as llama.cpp (their kernel makes 8-bit codes of it either way: bfloat16
-        # would round the residual stream to save little), else bfloat16 where it is fast (CUDA, bf16 units).
+        # auto: float32 beside 4-bit weights, as llama.cpp (the int4 kernel makes 8-bit codes of its input either
+        # way: bfloat16 would round the residual stream to save little), else bfloat16 where it is fast (CUDA, bf16
+        # units).
         wide = on_cpu and (self.quantization or not cpu.has_bf16_units())
         self.dtype = (torch.float32 if wide else torch.bfloat16) if c.dtype == "auto" else getattr(torch, c.dtype)
         self.kv_dtype = KV_CACHE_DTYPES.get(c.kv_cache_dtype, self.dtype)

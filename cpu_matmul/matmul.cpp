@@ -24,8 +24,8 @@
 //   (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw and vpmaddwd, on 4 bytes of q a column, from -8 *
 //   the sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's float32
 //   sum of x over the group (lane k % 8 of 8 from k = 0 up, then the lanes pairwise). int8 (w = q * scale, q in
-//   -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero. Float32, int4 and int8 give the same bits on AVX2 and AVX-512, with VNNI
-//   or without.
+//   -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero. Float32, int4 and int8 give
+//   the same bits on AVX2 and AVX-512, with VNNI or without.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
 //   including this file into a namespace under #pragma GCC target (avx2, avx2vnni, avx512, avx512vnni, avx512bf16),
 //   each defining Vec and its operations first; linear() calls the one Python chose (isa), which supported()
