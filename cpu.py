@@ -460,16 +460,17 @@ def key_bucket(n: torch.Tensor, smallest: int) -> torch.Tensor:
 
 
 def gather_keys(
-    cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
+    cache: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """The slots of blocks ([rows, n] block ids) as [rows, n * block_size, kv_heads * dim], contiguous. A
     block is one contiguous row of the cache, so the gather is a row index_select: a memcpy per block. With
-    scales (an 8-bit cache), the same blocks' scales too, and the codes dequantized to dtype."""
+    scales (an 8-bit cache), the same blocks' scales too, and the codes dequantized to dtype; without, the values
+    in dtype (a bfloat16 cache's beside float32 queries: exact)."""
     x = cache.view(cache.shape[0], -1).index_select(0, blocks.flatten())
     if scales is not None:
         s = scales.view(scales.shape[0], -1).index_select(0, blocks.flatten())
         x = attention_cuda.dequantize_kv(x.view(-1, cache.shape[3]), s.view(-1), dtype)
-    return x.view(len(blocks), -1, cache.shape[2] * cache.shape[3])
+    return x.view(len(blocks), -1, cache.shape[2] * cache.shape[3]).to(dtype)
 
 
 def store_finite_kv(

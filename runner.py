@@ -158,7 +158,11 @@ class ModelRunner:
         # units).
         wide = on_cpu and (self.quantization or not cpu.has_bf16_units())
         self.dtype = (torch.float32 if wide else torch.bfloat16) if c.dtype == "auto" else getattr(torch, c.dtype)
-        self.kv_dtype = KV_CACHE_DTYPES.get(c.kv_cache_dtype, self.dtype)
+        # auto beside 4-bit weights and float32: a 16-bit cache, as llama.cpp's (bfloat16: float32's range, and
+        # exact in float32 as the kernels read it)
+        self.kv_dtype = KV_CACHE_DTYPES.get(
+            c.kv_cache_dtype, self.dtype if c.dtype != "auto" or not self.quantization else torch.bfloat16
+        )
         if c.dummy_weights:
             self.model_config = model_config or weights.PRESETS[c.model]
             state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device, self.rank, tp_size)

@@ -44,7 +44,8 @@ def store_kv(
 ) -> None:
     """Write each new token's K/V ([num_tokens, kv_heads, dim]) into the paged cache ([num_blocks, block_size,
     kv_heads, dim]) at its slot = block_id * block_size + offset; slot -1 (padding) is skipped. With scales
-    ([num_blocks, block_size, kv_heads] float32: an 8-bit cache), quantized (quantize_kv)."""
+    ([num_blocks, block_size, kv_heads] float32: an 8-bit cache), quantized (quantize_kv); else rounded to the cache's
+    dtype."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -54,7 +55,7 @@ def store_kv(
             scales.view(-1, scales.shape[2]).index_copy_(0, slot_mapping, s)
             x, cache = x.view(torch.uint8), cache.view(torch.uint8)  # torch has no float8 index_copy_
         # Viewing the cache as [num_slots, heads, dim] turns the slot into a plain row index.
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
 def gather_kv(

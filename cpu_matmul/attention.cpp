@@ -10,8 +10,9 @@
 //   (each slot's heads together) to float32 buffers, once for its tokens (a verify step's drafts read the same
 //   keys), then computes each token's query heads.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
-//   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale); s_j = T(q' . k_j); p = T(softmax(s));
-//   out = T(sum_j p_j v_j). Products and sums in float32; e^x by exp8, the same polynomial in every lane.
+//   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale), a bfloat16 cache's as stored (exact in
+//   float32); s_j = T(q' . k_j); p = T(softmax(s)); out = T(sum_j p_j v_j). Products and sums in float32; e^x by
+//   exp8, the same polynomial in every lane.
 // - Order, fixed: a dot product over d accumulates 8 lanes (lane d % 8) from d = 0 up, then adds the lanes
 //   pairwise ((0+1)+(2+3))+((4+5)+(6+7)); softmax sums e_j likewise, lane (j - start) % 8 from j = start up; each
 //   output element accumulates over j = start, start + 1, ..., pos. Built with -ffp-contract=off: no fused
@@ -202,6 +203,7 @@ void with_cache(at::ScalarType cache, const Args& a) {
     case at::kChar: return run<T, int8_t>(a);
     case at::kFloat8_e4m3fn: return run<T, c10::Float8_e4m3fn>(a);
     case at::kFloat8_e5m2: return run<T, c10::Float8_e5m2>(a);
+    case at::kBFloat16: return run<T, c10::BFloat16>(a);
     default: return run<T, T>(a);
   }
 }
@@ -223,16 +225,18 @@ void token_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0 && query.size(2) == k_cache.size(3) && query.size(2) % 8 == 0,
               "token_attention: shapes (heads a multiple of KV heads, dim a multiple of 8)");
   const bool codes = k_cache.element_size() == 1;
-  TORCH_CHECK(codes ? k_scale && v_scale : k_cache.scalar_type() == query.scalar_type(),
-              "token_attention: a cache in the query's dtype, or 8-bit codes with their scales");
+  const auto cache = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache &&
+                  (codes ? k_scale && v_scale : cache == query.scalar_type() || cache == at::kBFloat16),
+              "token_attention: caches in the query's dtype or bfloat16, or 8-bit codes with their scales");
   const Args a{query.const_data_ptr(), k_cache.const_data_ptr(), v_cache.const_data_ptr(),
                codes ? k_scale->const_data_ptr<float>() : nullptr, codes ? v_scale->const_data_ptr<float>() : nullptr,
                block_tables.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(), seqs.const_data_ptr<int64_t>(),
                positions.const_data_ptr<int64_t>(), out.mutable_data_ptr(), rows.numel(), block_tables.size(1),
                query.size(1), query.size(2), k_cache.size(1), k_cache.size(2), window, static_cast<float>(scale)};
-  if (query.scalar_type() == at::kBFloat16) return with_cache<c10::BFloat16>(k_cache.scalar_type(), a);
+  if (query.scalar_type() == at::kBFloat16) return with_cache<c10::BFloat16>(cache, a);
   TORCH_CHECK(query.scalar_type() == at::kFloat, "token_attention: float32 or bfloat16 queries");
-  with_cache<float>(k_cache.scalar_type(), a);
+  with_cache<float>(cache, a);
 }
 
 }  // namespace

@@ -56,12 +56,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // Element i of a head takes x[i] * cos[i] + x[(i + dim / 2) % dim] * sin[i] (torch.roll by dim / 2), the second
 // product and the sum fused as torch's addcmul fuses them in float32 (a product of two bfloat16 values is exact in
 // float32: there fused or not is the same). FMA: used only where cpu_matmul.isa() vouches for AVX2 and FMA.
-template <typename T>
-void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache, T* v_cache, const int64_t* slots,
+template <typename T, typename C>
+void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, C* k_cache, C* v_cache, const int64_t* slots,
                int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t width = (heads + 2 * kv_heads) * dim, row = kv_heads * dim;
-  auto put_row = [row](const T* src, T* dst) {  // a K or V row (finite values, else 0) into its slot
-    for (int64_t i = 0; i < row; ++i) dst[i] = std::isfinite(float(src[i])) ? src[i] : T(0);
+  auto put_row = [row](const T* src, C* dst) {  // a K or V row (finite values, else 0) into its slot, in C
+    for (int64_t i = 0; i < row; ++i) dst[i] = std::isfinite(float(src[i])) ? C(float(src[i])) : C(0);
   };
   // The target on the task itself: OpenMP's outlined region around it would not inherit one of rope_rows'.
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) __attribute__((target("avx2,fma"))) {
@@ -84,28 +84,35 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, T* q, T* k_cache, T* v_
 }
 
 // qkv [tokens, (heads + 2 kv_heads) * dim]; cos, sin [tokens, 1, dim] (or [tokens, dim]); caches [blocks,
-// block_size, kv_heads, dim], all in one dtype; slot_mapping [tokens] int64.
+// block_size, kv_heads, dim] in qkv's dtype or bfloat16 (rounded to nearest even as stored); slot_mapping [tokens]
+// int64.
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                       at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t heads) {
   const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
-  const auto dtype = k_cache.scalar_type();
+  const auto dtype = qkv.scalar_type(), cache = k_cache.scalar_type();
   for (const at::Tensor* t : {&qkv, &cos, &sin})
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == dtype,
-                "rope_store: contiguous CPU tensors in the cache's dtype");
+                "rope_store: contiguous CPU tensors in qkv's dtype");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim && cos.numel() == tokens * dim &&
                   sin.numel() == tokens * dim && slot_mapping.numel() == tokens && dim % 2 == 0,
               "rope_store: qkv [tokens, (heads + 2 kv_heads) * dim], cos and sin a row of dim per token");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == cache && (cache == dtype || cache == at::kBFloat16) &&
                   slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
-              "rope_store: contiguous caches of one shape, int64 slots");
+              "rope_store: contiguous caches of one shape in qkv's dtype or bfloat16, int64 slots");
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < k_cache.size(0) * k_cache.size(1), "rope_store: slot ", slots[t], " past the cache");
   at::Tensor q = at::empty({tokens, heads, dim}, qkv.options());
   by_dtype(dtype, "rope_store", [&](auto type) {
     using T = decltype(type);
-    rope_rows(qkv.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(), q.mutable_data_ptr<T>(),
-              k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(), slots, tokens, heads, kv_heads, dim);
+    auto store = [&](auto* k, auto* v) {
+      rope_rows(qkv.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(), q.mutable_data_ptr<T>(),
+                k, v, slots, tokens, heads, kv_heads, dim);
+    };
+    using C = c10::BFloat16;  // a bfloat16 cache beside float32
+    if (cache != dtype) return store(k_cache.mutable_data_ptr<C>(), v_cache.mutable_data_ptr<C>());
+    store(k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>());
   });
   return q;
 }

@@ -470,6 +470,24 @@ def test_cpu_attention_reads_8_bit_caches(dtype, kv):
     assert torch.equal(decode, cpu.BucketedAttention().decode(query[:4], *values, tables[:4], lens[:4], 0.125))
 
 
+@KERNEL
+def test_cpu_attention_reads_a_bfloat16_cache_beside_float32(kernel):
+    # The int4 default's cache (runner.py): float32 queries on a bfloat16 cache, prompt and generated tokens, give
+    # bit for bit what they give on a float32 cache of the same values (bfloat16's are exact in float32).
+    lanes = [(1, 1), (15, 1), (300, 1), (1100, 1), (7, 7), (50, 9), (2 * cpu.KEY_BUCKET + 5, 40), (200, 150)]
+    prompt_lens = [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]
+    query, k_cache, v_cache, tables, _, _ = make_batch(9, lanes, 9, 3, 64, 16, torch.float32)
+    k, v = k_cache.bfloat16(), v_cache.bfloat16()
+    out = cpu_attention(query, k, v, tables, lanes, 0.125, prompt_lens, kernel=kernel)
+    assert out.dtype == torch.float32
+    assert torch.equal(
+        out, cpu_attention(query, k.float(), v.float(), tables, lanes, 0.125, prompt_lens, kernel=kernel)
+    )
+    if kernel:  # a float32 cache beside bfloat16 queries is refused
+        with pytest.raises(RuntimeError, match="token_attention"):
+            cpu_attention(query.bfloat16(), k_cache, v_cache, tables, lanes, 0.125, kernel=True)
+
+
 # the CUDA sources compile (no GPU needed)
 
 

@@ -163,10 +163,13 @@ def test_rms_norm(dtype):
         torch.ops.laneserve_cpu.rms_norm(x.half(), norm.weight.half(), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rope_store_is_the_torch_forms_rope_and_store(dtype):
+@pytest.mark.parametrize(
+    "dtype, cache", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)], ids=str
+)
+def test_rope_store_is_the_torch_forms_rope_and_store(dtype, cache):
     # model.apply_rope on the Q and K heads, then cpu.store_finite_kv, bit for bit: one row per token (q: 3 heads,
-    # k: 2, v: 2), non-finite values and slots -1 among them; a token's row the same alone and beside others.
+    # k: 2, v: 2), non-finite values and slots -1 among them; a token's row the same alone and beside others. A
+    # bfloat16 cache beside float32 (the int4 default's) takes the values rounded to it.
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(9, 7 * 64, generator=g).to(dtype)
     qkv[2, 3 * 64 + 5], qkv[4, 5 * 64], qkv[6, 4 * 64 + 1] = float("nan"), float("inf"), float("-inf")
@@ -174,7 +177,7 @@ def test_rope_store_is_the_torch_forms_rope_and_store(dtype):
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     sin[..., :32] *= -1  # as Transformer.rope_sin
     slots = torch.tensor([0, 5, 9, 17, 3, 30, 31, 8, -1])
-    base = torch.randn(4, 8, 2, 64, generator=g).to(dtype)
+    base = torch.randn(4, 8, 2, 64, generator=g).to(cache)
     torch_form, kernel = [base.clone(), base.clone()], [base.clone(), base.clone()]
     qk = model.apply_rope(qkv.view(9, 7, 64)[:, :5], cos, sin)
     cpu.store_finite_kv(qk[:, 3:], qkv.view(9, 7, 64)[:, 5:], *torch_form, slots)
@@ -193,6 +196,8 @@ def test_rope_store_is_the_torch_forms_rope_and_store(dtype):
         torch.ops.laneserve_cpu.rope_store(qkv, cos, sin, *kernel, slots + 32, 3)
     with pytest.raises(RuntimeError, match="rope_store"):
         torch.ops.laneserve_cpu.rope_store(qkv, cos, sin, *kernel, slots, 4)
+    with pytest.raises(RuntimeError, match="rope_store"):  # caches neither in qkv's dtype nor bfloat16
+        torch.ops.laneserve_cpu.rope_store(qkv, cos, sin, *(c.half() for c in kernel), slots, 3)
 
 
 @pytest.mark.parametrize("dtype, quant", KINDS)
