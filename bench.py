@@ -715,6 +715,16 @@ async def run_mixed(client, model: str, args, until: float, label: str) -> dict:
     }
 
 
+def strict_json(x):
+    """x with each float that JSON cannot hold (--request-rate inf) as a string, "inf", as vLLM's result files have
+    it: Python's json would write Infinity, which strict parsers (jq, JavaScript) refuse."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return str(x) if isinstance(x, float) and not math.isfinite(x) else x
+
+
 def pick_goodput(sweep: list[dict], args) -> dict | None:
     """The level of the highest goodput: the most requests a second that meet the SLO."""
     if not (args.slo_ttft or args.slo_tpot):
@@ -1050,7 +1060,7 @@ def main(argv: list[str] | None = None, prog: str = "bench.py") -> int:
     print_report(report, args)  # whatever was measured, even after an error
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(strict_json(report), f, indent=1, allow_nan=False)
     if args.plot and report["runs"] and importlib.util.find_spec("matplotlib") is not None:
         bench_plot.plot(report, args.plot)
     phases = [
