@@ -32,8 +32,9 @@ class EngineConfig:
     kv_cache_dtype: str = knob(
         "auto",
         "KV cache in 8 bits, a float32 scale per token and KV head (about twice bfloat16's tokens in the same "
-        "memory); auto: --dtype's, but bfloat16 beside 4-bit weights with --dtype auto (as llama.cpp's 16-bit cache)",
-        choices=["auto", "fp8_e4m3", "fp8_e5m2", "int8"],
+        "memory); bfloat16 beside --dtype float32 (a CPU's default beside 4-bit weights) halves its bytes, as "
+        "llama.cpp's 16-bit cache; auto: --dtype",
+        choices=["auto", "fp8_e4m3", "fp8_e5m2", "int8", "bfloat16"],
     )
     quantization: str | None = knob(
         None,

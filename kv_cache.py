@@ -15,8 +15,13 @@ import torch
 
 from attention_cuda import QMAX
 
-# --kv-cache-dtype's 8-bit types (auto: the model's dtype)
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+# --kv-cache-dtype's types (auto: the model's dtype): 8-bit codes, or bfloat16 (beside float32 on a CPU)
+KV_CACHE_DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "bfloat16": torch.bfloat16,
+}
 
 
 @dataclass

@@ -158,11 +158,7 @@ class ModelRunner:
         # units).
         wide = on_cpu and (self.quantization or not cpu.has_bf16_units())
         self.dtype = (torch.float32 if wide else torch.bfloat16) if c.dtype == "auto" else getattr(torch, c.dtype)
-        # auto beside 4-bit weights and float32: a 16-bit cache, as llama.cpp's (bfloat16: float32's range, and
-        # exact in float32 as the kernels read it)
-        self.kv_dtype = KV_CACHE_DTYPES.get(
-            c.kv_cache_dtype, self.dtype if c.dtype != "auto" or not self.quantization else torch.bfloat16
-        )
+        self.kv_dtype = KV_CACHE_DTYPES.get(c.kv_cache_dtype, self.dtype)
         if c.dummy_weights:
             self.model_config = model_config or weights.PRESETS[c.model]
             state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device, self.rank, tp_size)
@@ -178,6 +174,10 @@ class ModelRunner:
                     self.max_model_len <= mc.max_position_embeddings,
                     f"max_model_len {self.max_model_len} exceeds the "
                     f"model's context length {mc.max_position_embeddings}",
+                ),
+                (
+                    on_cpu or self.kv_dtype.itemsize == 1 or self.kv_dtype == self.dtype,
+                    f"--kv-cache-dtype bfloat16 beside --dtype {c.dtype} runs on a CPU only",
                 ),
                 (
                     self.device.type != "cuda" or mc.head_dim in (64, 128, 256 if self.kv_dtype.itemsize < 4 else 128),

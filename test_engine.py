@@ -513,21 +513,18 @@ def test_float16_on_cpu_takes_the_torch_forms():
 
 def test_a_q4_1_gguf_is_served_in_its_own_blocks_where_the_kernels_run(monkeypatch):
     # As llama.cpp serves the file: the GGUF's 4-bit stream (int4 gives back its codes) by 8-bit codes of float32
-    # activations, a 16-bit KV cache, on any CPU the kernels run on, bf16 dot products or not. float32 throughout,
-    # transformers' numbers, by --dtype float32; without the kernels, the dtype's weights (bfloat16 where the CPU
-    # computes it).
+    # activations, on any CPU the kernels run on, bf16 dot products or not. float32 throughout, transformers'
+    # numbers, by --dtype float32; without the kernels, the dtype's weights (bfloat16 where the CPU computes it).
     path = weights.resolve_checkpoint()
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: False)
     assert cpu.own_format(path) == "int4" and cpu.own_format(None) is None
     default, asked = LLM(device="cpu", num_kv_blocks=64), LLM(device="cpu", num_kv_blocks=64, quantization="int4")
-    assert (default.quantization, default.dtype, default.kv_dtype) == ("int4", torch.float32, torch.bfloat16)
+    assert (default.quantization, default.dtype, default.kv_dtype) == ("int4", torch.float32, torch.float32)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
     assert [(o.token_ids, o.logprob) for o in default.generate(["The capital of France is"], params)] == [
         (o.token_ids, o.logprob) for o in asked.generate(["The capital of France is"], params)
     ]
-    wide = LLM(device="cpu", num_kv_blocks=64, dtype="float32")
-    assert (wide.quantization, wide.kv_dtype) == (None, torch.float32)
-    assert LLM(device="cpu", num_kv_blocks=64, dtype="float32", quantization="int4").kv_dtype == torch.float32
+    assert LLM(device="cpu", num_kv_blocks=64, dtype="float32").quantization is None
     assert "Q4_1 GGUF's own blocks" in cpu.choices(torch.float32, "int4")
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: True)
     assert cpu.own_format(path) == "int4" and "bfloat16: this CPU has bf16" in cpu.choices(torch.bfloat16, None)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", *KV_CACHE_DTYPES],
+        choices=["auto", *(k for k in KV_CACHE_DTYPES if k != "bfloat16")],
         help="the cache read in 8 bits (codes and scales, dequantized by the kernel); auto: --dtype",
     )
     p.add_argument(

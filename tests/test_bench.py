@@ -18,7 +18,7 @@ import pytest
 
 import bench
 from bench import arrivals, laneserve, main
-from benchmarks import bench_ab, bench_kernel
+from benchmarks import bench_ab, bench_kernel, bench_peer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
@@ -334,6 +334,35 @@ def test_ab_other_checkout_without_an_engine_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_ab.main([str(tmp_path)])
     assert e.value.code == 2 and capsys.readouterr().err == f"bench_ab.py: error: no engine.py in {tmp_path}\n"
+
+
+@pytest.mark.slow
+def test_peer_rounds_take_every_server_in_turn(tmp_path, capsys):
+    # A laneserve server on random weights as the peer, beside two variants (the kernels, and their fallback): each
+    # level's rounds on each server, the means, and each against the peer's.
+    small = "--model smollm2-135m --dummy-weights --num-kv-blocks 64 --max-model-len 1024 --torch-threads 1"
+    argv = ["--peer", f"{sys.executable} serve.py --port {{port}} {small}", "--variants", "default", "off"]
+    argv += ["--levels", "1:1", "2:1", "--rounds", "2", "--serve-args", small, "--json", str(tmp_path / "r.json")]
+    assert bench_peer.main([*argv, "--bench-args", "--max-tokens 4 --warmup 0"]) == 0
+    out = capsys.readouterr().out
+    rounds = json.loads((tmp_path / "r.json").read_text())["rounds"]
+    assert list(rounds) == ["1:1", "2:1"] and all(list(lv) == ["peer", "default", "off"] for lv in rounds.values())
+    assert all(len(xs) == 2 and min(xs) > 0 for lv in rounds.values() for xs in lv.values())
+    assert "| 2:1 | off | " in out and out.count("x |") == 4 and "bench_peer: round 2 of 2 done" in out
+
+
+def test_peer_rounds_say_why_a_server_did_not_come_up(capsys):
+    # The server's last line of output with it; the laneserve server started beside it is stopped.
+    for argv, start, end in (
+        (["--peer", "sh -c 'echo no such model; exit 3'"], "peer exited (3) before serving http://", ": no such model"),
+        (["--peer", "/nonexistent/llama-server"], "cannot start peer: [Errno 2]", "'/nonexistent/llama-server'"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            bench_peer.main([*argv, "--variants", "default", "--startup", "60"])
+        assert str(e.value).startswith(f"bench_peer.py: error: {start}") and str(e.value).endswith(end), e.value
+    with pytest.raises(SystemExit) as e:
+        bench_peer.main(["--levels", "4"])
+    assert e.value.code == 2 and "4 is not CLIENTS:REQUESTS (say 4:2)" in capsys.readouterr().err
 
 
 def test_kernel_bench_sizes_that_do_not_fit_in_memory_are_one_line():

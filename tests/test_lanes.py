@@ -22,10 +22,11 @@ pytestmark = pytest.mark.slow  # the whole file: run by `pytest -q`, not by `-m 
 MODES = {
     "float32": dict(dtype="float32"),
     "bfloat16": dict(dtype="bfloat16"),
-    "int4": dict(quantization="int4"),  # the default beside 4-bit weights: float32, a bfloat16 KV cache
+    "int4": dict(quantization="int4"),  # the default beside 4-bit weights: float32
     "int4 bfloat16": dict(dtype="bfloat16", quantization="int4"),
 }
-# (mode, --kv-cache-dtype): each 8-bit KV type in bfloat16, where the scores round most
+# (mode, --kv-cache-dtype): each 8-bit KV type in bfloat16, where the scores round most (a bfloat16 cache beside
+# float32 below, with int4)
 KV_MODES = [
     ("float32", "auto"),
     ("bfloat16", "auto"),
@@ -176,7 +177,8 @@ def shared_prefixes(smollm2_shapes) -> list[tuple[list[int], SamplingParams]]:
 
 @pytest.mark.parametrize(
     "model, mode, kv_cache_dtype",
-    [("smollm2-shapes", *m) for m in KV_MODES + [("int4", "auto"), ("int4 bfloat16", "int8")]] + FAMILY_MODES,
+    [("smollm2-shapes", *m) for m in KV_MODES + [("int4", "auto"), ("int4", "bfloat16"), ("int4 bfloat16", "int8")]]
+    + FAMILY_MODES,
 )
 def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixes, model, mode, kv_cache_dtype):
     requests, kv = shared_prefixes, dict(kv_cache_dtype=kv_cache_dtype)
