@@ -113,6 +113,12 @@ def test_8bit_cache_matches_cpu(kv):
     )
 
 
+def test_a_bfloat16_cache_beside_float32_is_for_the_cpu():
+    # The kernel reads a cache in the query's dtype, or 8-bit codes: one line, before anything is allocated.
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 beside --dtype float32 runs on a CPU only"):
+        generate("cuda", "smollm2-135m", kv_cache_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_drafts_match_cpu_without_them(eager):
     # A step with drafts runs a sequence's several query rows through the varlen path, eagerly; the decode-only
