@@ -1,8 +1,8 @@
-"""Accuracy of the 8-bit KV caches against the model's own dtype (`auto`), on the same weights:
+"""Accuracy of the 8-bit and bfloat16 KV caches against the model's own dtype (`auto`), on the same weights:
 greedy agreement over 32 chat prompts (tokens in common before the first difference), the mean |delta logprob|
 of the tokens both runs chose, and the perplexity of the model over a fixed text (../shared/seed by default).
 
-    python -m benchmarks.bench_kv [--types auto fp8_e4m3 fp8_e5m2 int8] [--text FILE] [engine flags]
+    python -m benchmarks.bench_kv [--types auto fp8_e4m3 fp8_e5m2 int8 bfloat16] [--text FILE] [engine flags]
 """
 
 from __future__ import annotations
