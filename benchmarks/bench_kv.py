@@ -74,7 +74,7 @@ def perplexity(llm: LLM, text: str, chunk: int) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="bench_kv.py", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--types",
         nargs="+",
@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk of the perplexity run")
     add_cli_args(parser)  # its --kv-cache-dtype is replaced by each of --types
     args = parser.parse_args(argv)
-    text = open(args.text, encoding="utf-8").read()
+    try:
+        text = open(args.text, encoding="utf-8").read()
+    except OSError as e:
+        parser.error(f"--text: cannot read {args.text}: {e.strerror}")
     rows, ref = [], None
     for kind in args.types:
         llm = LLM(from_cli_args(args, kv_cache_dtype=kind))

@@ -43,10 +43,10 @@ def level(text: str) -> tuple[int, int]:
 def cpu_name() -> str:
     """The CPU's model, and the flags the kernels choose by."""
     info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info.splitlines() if ":" in line)}
     wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16")
     flags = [f for f in wanted if f in fields.get("flags", "").split()]
-    return f"{fields.get('model name', 'unknown CPU').strip()}, {os.cpu_count()} threads, {' '.join(flags)}"
+    return f"{fields.get('model name', 'unknown CPU')}, {os.cpu_count()} threads, {' '.join(flags) or 'no AVX2'}"
 
 
 def start(name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -349,6 +349,11 @@ def test_peer_rounds_take_every_server_in_turn(tmp_path, capsys):
     assert list(rounds) == ["1:1", "2:1"] and all(list(lv) == ["peer", "default", "off"] for lv in rounds.values())
     assert all(len(xs) == 2 and min(xs) > 0 for lv in rounds.values() for xs in lv.values())
     assert "| 2:1 | off | " in out and out.count("x |") == 4 and "bench_peer: round 2 of 2 done" in out
+    cpuinfo = open("/proc/cpuinfo").read()  # the CPU named as the kernels see it
+    name, threads, flags = bench_peer.cpu_name().split(", ")
+    assert (
+        f": {name}\n" in cpuinfo and ("avx2" in flags.split()) == (" avx2 " in cpuinfo) and f"bench_peer: {name}" in out
+    )
 
 
 def test_peer_rounds_say_why_a_server_did_not_come_up(capsys):
@@ -872,3 +877,6 @@ def test_kv_accuracy_bench_compares_each_8_bit_cache_with_auto(tmp_path, capsys)
     assert rows[0][1:4] == [" 4.0 of 4 ", " 32/32 ", " 0.0000 "]  # auto against itself
     ppl = [float(r[4]) for r in rows]
     assert all(1 < p < math.inf for p in ppl) and ppl[0] != ppl[1], ppl  # int8 moves it, a little
+    with pytest.raises(SystemExit) as e:
+        bench_kv.main(["--text", str(tmp_path / "missing.txt")])
+    assert e.value.code == 2 and "bench_kv.py: error: --text: cannot read " in capsys.readouterr().err
