@@ -55,7 +55,7 @@ class Engine:
         template = read_chat_template(c.chat_template) if c.chat_template else None
         self.runner = r = ModelRunner(c)
         self.device, self.dtype, self.model_config = r.device, r.dtype, r.model_config
-        self.quantization, self.kv_dtype = r.quantization, r.kv_dtype
+        self.quantization = r.quantization
         self.max_model_len, self.checkpoint_path = r.max_model_len, r.checkpoint_path
         self.tokenizer = (
             byte_tokenizer(self.model_config.vocab_size) if c.dummy_weights else load_tokenizer(r.checkpoint_path)

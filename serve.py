@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
     if not stop.is_set():
         e, bm = server.engine, server.engine.block_manager
         kv_tokens, dtype = bm.num_blocks * bm.block_size, str(e.dtype).removeprefix("torch.")
-        kv_dtype = str(e.kv_dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         whole = bm.num_blocks // -(-e.max_model_len // bm.block_size)  # requests of max_model_len tokens it holds
         if whole == 0:  # as vLLM: a server that cannot serve one full request does not start
             server.stop()

@@ -472,8 +472,8 @@ def test_cpu_attention_reads_8_bit_caches(dtype, kv):
 
 @KERNEL
 def test_cpu_attention_reads_a_bfloat16_cache_beside_float32(kernel):
-    # The int4 default's cache (runner.py): float32 queries on a bfloat16 cache, prompt and generated tokens, give
-    # bit for bit what they give on a float32 cache of the same values (bfloat16's are exact in float32).
+    # --kv-cache-dtype bfloat16 beside float32: float32 queries on a bfloat16 cache, prompt and generated tokens,
+    # give bit for bit what they give on a float32 cache of the same values (bfloat16's are exact in float32).
     lanes = [(1, 1), (15, 1), (300, 1), (1100, 1), (7, 7), (50, 9), (2 * cpu.KEY_BUCKET + 5, 40), (200, 150)]
     prompt_lens = [c - n // 2 if i % 2 else 0 for i, (c, n) in enumerate(lanes)]
     query, k_cache, v_cache, tables, _, _ = make_batch(9, lanes, 9, 3, 64, 16, torch.float32)

@@ -169,7 +169,7 @@ def test_rms_norm(dtype):
 def test_rope_store_is_the_torch_forms_rope_and_store(dtype, cache):
     # model.apply_rope on the Q and K heads, then cpu.store_finite_kv, bit for bit: one row per token (q: 3 heads,
     # k: 2, v: 2), non-finite values and slots -1 among them; a token's row the same alone and beside others. A
-    # bfloat16 cache beside float32 (the int4 default's) takes the values rounded to it.
+    # bfloat16 cache beside float32 (--kv-cache-dtype bfloat16) takes the values rounded to it.
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(9, 7 * 64, generator=g).to(dtype)
     qkv[2, 3 * 64 + 5], qkv[4, 5 * 64], qkv[6, 4 * 64 + 1] = float("nan"), float("inf"), float("-inf")

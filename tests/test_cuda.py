@@ -114,7 +114,7 @@ def test_8bit_cache_matches_cpu(kv):
 
 
 def test_a_bfloat16_cache_beside_float32_is_for_the_cpu():
-    # The kernel reads a cache in the query's dtype, or 8-bit codes: one line, before anything is allocated.
+    # The kernel reads a cache in the query's dtype, or 8-bit codes: one line, before the KV pool is allocated.
     with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 beside --dtype float32 runs on a CPU only"):
         generate("cuda", "smollm2-135m", kv_cache_dtype="bfloat16")
 

@@ -25,14 +25,15 @@ MODES = {
     "int4": dict(quantization="int4"),  # the default beside 4-bit weights: float32
     "int4 bfloat16": dict(dtype="bfloat16", quantization="int4"),
 }
-# (mode, --kv-cache-dtype): each 8-bit KV type in bfloat16, where the scores round most (a bfloat16 cache beside
-# float32 below, with int4)
+# (mode, --kv-cache-dtype): each 8-bit KV type in bfloat16, where the scores round most; a bfloat16 cache beside
+# int4's float32
 KV_MODES = [
     ("float32", "auto"),
     ("bfloat16", "auto"),
     ("bfloat16", "int8"),
     ("bfloat16", "fp8_e4m3"),
     ("bfloat16", "fp8_e5m2"),
+    ("int4", "bfloat16"),
 ]
 
 
@@ -120,7 +121,7 @@ def test_64_lanes_sampling_together(families, model, mode, kv_cache_dtype):
     requests += [(random_prompt(rng, 400), greedy(rng.randint(2, 6))) for _ in range(2)]
     llm = engine(model, mode, max_num_seqs=64, max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype)
     steps = traced(llm)
-    assert len(llm.runner.kv_cache.layers[0]) == (2 if kv_cache_dtype == "auto" else 4)  # codes and scales
+    assert len(llm.runner.kv_cache.layers[0]) == (2 if kv_cache_dtype in ("auto", "bfloat16") else 4)  # 8-bit: scales
     together = run(llm, requests)
     assert any(
         sum(s.num_new_tokens == 1 for s in step) >= 60 and any(s.num_new_tokens > 1 for s in step) for step in steps
@@ -177,8 +178,7 @@ def shared_prefixes(smollm2_shapes) -> list[tuple[list[int], SamplingParams]]:
 
 @pytest.mark.parametrize(
     "model, mode, kv_cache_dtype",
-    [("smollm2-shapes", *m) for m in KV_MODES + [("int4", "auto"), ("int4", "bfloat16"), ("int4 bfloat16", "int8")]]
-    + FAMILY_MODES,
+    [("smollm2-shapes", *m) for m in KV_MODES + [("int4", "auto"), ("int4 bfloat16", "int8")]] + FAMILY_MODES,
 )
 def test_lanes_alone_equal_lanes_together_in_every_path(families, shared_prefixes, model, mode, kv_cache_dtype):
     requests, kv = shared_prefixes, dict(kv_cache_dtype=kv_cache_dtype)
