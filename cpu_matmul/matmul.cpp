@@ -304,9 +304,15 @@ template <int R, int C, typename Out>
 inline void put(Vec (&acc)[R][C], Out* y, int64_t n, int64_t col) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
+      const int64_t at = r * n + (col + c) * 16, cols = std::min<int64_t>(16, n - (col + c) * 16);
       float t[16];
+      if constexpr (std::is_same_v<Out, float>)
+        if (cols == 16) {  // the common case as one vector store: the loop below costs as much as a small tile
+          store(y + at, acc[r][c]);
+          continue;
+        }
       store(t, acc[r][c]);
-      for (int64_t j = 0; j < std::min<int64_t>(16, n - (col + c) * 16); ++j) y[r * n + (col + c) * 16 + j] = Out(t[j]);
+      for (int64_t j = 0; j < cols; ++j) y[at + j] = Out(t[j]);
     }
 }
 
