@@ -343,8 +343,9 @@ void tile(const X* x, const W* w, Out* y, int64_t steps, int64_t n, int64_t col)
 }
 
 // The quantized kinds (EIGHT: int8, else int4). xp: the rows' int8 codes [M, K], 4 to an int32 (k order); dx,
-// xsum, xqsum: per group [M, K / 32], their scales, x's sums (int4's zero term alone) and the offset of the codes'
-// sums (int4: 8 * the sum of xq, for q - 8; int8: 128 * it, for weights stored as q + 128).
+// xsum, xqsum: per group [M, K / 32], their scales, x's sums (int4's zero term alone) and the codes' sums' offset,
+// already negated so that a tile starts from a plain broadcast (int4: -8 * the sum of xq, for q - 8; int8: -128 *
+// it, for weights stored as q + 128).
 template <int R, int C, bool EIGHT, typename Out>
 void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
                 int64_t K, int64_t n, int64_t col) {
@@ -361,7 +362,7 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
       prefetch(blk[c], BYTES);
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) s[r][c] = ibcast(-xqsum[r * G + g]);  // the offset first: a load, no ALU op
+      for (int c = 0; c < C; ++c) s[r][c] = ibcast(xqsum[r * G + g]);  // the offset first: a load, no ALU op
     for (int j = 0; j < (EIGHT ? 8 : 4); ++j) {  // int8: k quad j; int4: quads j (low nibbles) and 4 + j (high)
       Ints u[C][2];
       for (int c = 0; c < C; ++c) {
@@ -424,7 +425,7 @@ void linear(int64_t kind, const void* x, bool x_bf16, const void* w, Out* y, int
           qsum += n;
           *(C8u*)(q + 8 * c) = __builtin_convertvector(n, C8);
         }
-        dx[i] = amax / 127.0f, xsum[i] = sum8(total), xqsum[i] = (kind == INT8 ? INT8_OFFSET : 8) * sum8(qsum);
+        dx[i] = amax / 127.0f, xsum[i] = sum8(total), xqsum[i] = -(kind == INT8 ? INT8_OFFSET : 8) * sum8(qsum);
       }
     });
   }
