@@ -115,13 +115,9 @@ inline Ints low(Ints v) {
 inline Ints high(Ints v) { return low({_mm256_srli_epi16(v.a, 4), _mm256_srli_epi16(v.b, 4)}); }
 template <bool NIBBLES>
 inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
-  __m256i pairs;
-  if constexpr (NIBBLES) {
-    pairs = _mm256_maddubs_epi16(u, x);
-  } else {
-    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
-    pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
-  }
+  if constexpr (NIBBLES) return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, x));  // int16 lanes: see widen()
+  const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 template <bool NIBBLES>
@@ -130,6 +126,12 @@ inline Ints dot4(Ints acc, Ints u, int32_t x) {
   return {dot4<NIBBLES>(acc.a, u.a, xv), dot4<NIBBLES>(acc.b, u.b, xv)};
 }
 inline Vec to_float(Ints v) { return {_mm256_cvtepi32_ps(v.a), _mm256_cvtepi32_ps(v.b)}; }
+// int4's sums, kept in int16 lanes for a group (8 nibble pairs' products, each <= 2 * 15 * 127: exact), to int32
+// once, plus the offset: one vpmaddwd and one vpaddd a group where each quad took them.
+inline Ints widen(Ints v, int32_t offset) {
+  const __m256i one = _mm256_set1_epi16(1), o = _mm256_set1_epi32(offset);
+  return {_mm256_add_epi32(o, _mm256_madd_epi16(v.a, one)), _mm256_add_epi32(o, _mm256_madd_epi16(v.b, one))};
+}
 inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
@@ -141,7 +143,7 @@ inline Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.
 #pragma GCC target("avx2,fma,avxvnni")
 namespace avx2vnni {  // avx2's, but the codes' sums by AVX-VNNI's vpdpbusd (the same sums: exact in int32)
 using avx2::Vec, avx2::zero, avx2::bcast, avx2::load, avx2::store, avx2::fma, avx2::mul, avx2::Pair, avx2::load_pair;
-using avx2::Ints, avx2::ibcast, avx2::codes, avx2::low, avx2::high, avx2::to_float;
+using avx2::Ints, avx2::widen, avx2::ibcast, avx2::codes, avx2::low, avx2::high, avx2::to_float;
 using avx2::ROWS, avx2::COLS, avx2::COLS_INT4;
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx2::dot2(w, x, acc); }  // not its whole overload set
 constexpr int32_t INT8_OFFSET = 128;  // vpdpbusd sums u = q + 128
@@ -189,17 +191,16 @@ constexpr int32_t INT8_OFFSET = 0;  // as avx2's, vpsignb by a masked subtractio
 template <bool NIBBLES>
 inline Ints dot4(Ints acc, Ints u, int32_t x) {
   const __m512i xv = _mm512_set1_epi32(x);
-  __m512i pairs;
-  if constexpr (NIBBLES) {
-    pairs = _mm512_maddubs_epi16(u.a, xv);
-  } else {  // x negated where q < 0
-    const __m512i q = _mm512_xor_si512(u.a, _mm512_set1_epi8(-128));
-    const __m512i signed_x = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xv);
-    pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(q), signed_x);
-  }
-  return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
+  if constexpr (NIBBLES) return {_mm512_add_epi16(acc.a, _mm512_maddubs_epi16(u.a, xv))};  // as avx2's
+  const __m512i q = _mm512_xor_si512(u.a, _mm512_set1_epi8(-128));  // x negated where q < 0
+  const __m512i signed_x = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(q), _mm512_setzero_si512(), xv);
+  return {_mm512_add_epi32(acc.a, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(q), signed_x),
+                                                    _mm512_set1_epi16(1)))};
 }
 inline Vec to_float(Ints v) { return {_mm512_cvtepi32_ps(v.a)}; }
+inline Ints widen(Ints v, int32_t offset) {  // as avx2's
+  return {_mm512_add_epi32(_mm512_set1_epi32(offset), _mm512_madd_epi16(v.a, _mm512_set1_epi16(1)))};
+}
 inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 #define LANESERVE_KERNELS
 #include "matmul.cpp"
@@ -211,7 +212,7 @@ inline Vec mul(Vec x, Vec y) { return {_mm512_mul_ps(x.a, y.a)}; }
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")
 namespace avx512vnni {  // avx512's, but the codes' sums by vpdpbusd (VNNI without BF16: Ice Lake, Cascade Lake)
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::ibcast, avx512::codes, avx512::low, avx512::high, avx512::to_float;
+using avx512::Ints, avx512::widen, avx512::ibcast, avx512::codes, avx512::low, avx512::high, avx512::to_float;
 using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512::Pair, avx512::load_pair;
 inline Vec dot2(Pair w, uint32_t x, Vec acc) { return avx512::dot2(w, x, acc); }  // not its whole overload set
 constexpr int32_t INT8_OFFSET = 128;  // vpdpbusd sums u = q + 128
@@ -227,7 +228,7 @@ inline Ints dot4(Ints acc, Ints u, int32_t x) { return {_mm512_dpbusd_epi32(acc.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")
 namespace avx512bf16 {  // avx512vnni's, but bfloat16 pairs by vdpbf16ps
 using avx512::Vec, avx512::zero, avx512::bcast, avx512::load, avx512::store, avx512::fma, avx512::mul;
-using avx512::Ints, avx512::ibcast, avx512::codes, avx512::low, avx512::high, avx512::to_float;
+using avx512::Ints, avx512::widen, avx512::ibcast, avx512::codes, avx512::low, avx512::high, avx512::to_float;
 using avx512::ROWS, avx512::COLS, avx512::COLS_INT4, avx512vnni::dot4, avx512vnni::INT8_OFFSET;
 struct Pair { __m512bh w; };
 inline Pair load_pair(const uint16_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
@@ -350,6 +351,7 @@ template <int R, int C, bool EIGHT, typename Out>
 void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int32_t* xqsum, const uint8_t* w, Out* y,
                 int64_t K, int64_t n, int64_t col) {
   constexpr int64_t BYTES = EIGHT ? INT8_GROUP_BYTES : GROUP_BYTES;
+  constexpr bool WIDEN = !EIGHT && INT8_OFFSET == 0;  // without VNNI, int4's sums in int16 lanes (avx2's widen)
   const int64_t G = K / 32;
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -362,7 +364,7 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
       prefetch(blk[c], BYTES);
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) s[r][c] = ibcast(xqsum[r * G + g]);  // the offset first: a load, no ALU op
+      for (int c = 0; c < C; ++c) s[r][c] = ibcast(WIDEN ? 0 : xqsum[r * G + g]);  // the offset first: a load
     for (int j = 0; j < (EIGHT ? 8 : 4); ++j) {  // int8: k quad j; int4: quads j (low nibbles) and 4 + j (high)
       Ints u[C][2];
       for (int c = 0; c < C; ++c) {
@@ -380,7 +382,7 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
     for (int c = 0; c < C; ++c) {
       Vec scale = load(reinterpret_cast<const float*>(blk[c]));
       for (int r = 0; r < R; ++r) {
-        const Vec sum = to_float(s[r][c]);
+        const Vec sum = to_float(WIDEN ? widen(s[r][c], xqsum[r * G + g]) : s[r][c]);
         if constexpr (EIGHT) {
           acc[r][c] = fma(mul(scale, bcast(dx[r * G + g])), sum, acc[r][c]);
         } else {
