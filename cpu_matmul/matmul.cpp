@@ -80,7 +80,7 @@ struct YmmInts { __m256i a, b; };
 struct YmmPair { Ymm even, odd; };
 namespace avx2 {
 using Vec = Ymm;
-constexpr int ROWS = 2, COLS = 2, COLS_INT4 = 1;  // 16 ymm registers
+constexpr int ROWS = 3, COLS = 2, COLS_INT4 = 1;  // 16 ymm registers: 3 rows measured faster than 2 or 4
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec bcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
