@@ -21,9 +21,10 @@
 //   scale + zero, q in 0..15) by integer dot products, as llama.cpp's Q4_1 by Q8_1: each row's 32 inputs of a
 //   group become int8 codes xq = round(x * 127 / amax) and a scale dx = amax / 127 (the row's own values alone;
 //   they move logprobs about as bfloat16 activations do, and halve the work of 16-bit codes), the group's sum of
-//   (q - 8) * xq is exact in int32 (vpdpbusd, or vpmaddubsw and vpmaddwd, on 4 bytes of q a column, from -8 *
-//   the sum of xq), then acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's float32
-//   sum of x over the group (lane k % 8 of 8 from k = 0 up, then the lanes pairwise). int8 (w = q * scale, q in
+//   (q - 8) * xq is exact in int32 (vpdpbusd from -8 * the sum of xq, on 4 bytes of q a column; without VNNI
+//   vpmaddubsw's pairs summed in int16 over the group, then vpmaddwd and the offset: widen()), then
+//   acc = fma(scale * dx, sum, acc); acc = fma(zero, xsum, acc), xsum being the row's float32 sum of x over the
+//   group (lane k % 8 of 8 from k = 0 up, then the lanes pairwise). int8 (w = q * scale, q in
 //   -127..127, GGUF's Q8_0: the LM head beside int4 layers) likewise, with no zero. Float32, int4 and int8 give
 //   the same bits on AVX2 and AVX-512, with VNNI or without.
 // - Instruction sets: the section between "kernels: begin" and "kernels: end" is compiled once per ISA by
@@ -80,7 +81,7 @@ struct YmmInts { __m256i a, b; };
 struct YmmPair { Ymm even, odd; };
 namespace avx2 {
 using Vec = Ymm;
-constexpr int ROWS = 3, COLS = 2, COLS_INT4 = 1;  // 16 ymm registers: 3 rows measured faster than 2 or 4
+constexpr int ROWS = 3, COLS = 2, COLS_INT4 = 1;  // 16 ymm registers; 3 rows share int8's weight decoding more
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec bcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -364,7 +365,7 @@ void quant_tile(const int32_t* xp, const float* dx, const float* xsum, const int
       prefetch(blk[c], BYTES);
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) s[r][c] = ibcast(WIDEN ? 0 : xqsum[r * G + g]);  // the offset first: a load
+      for (int c = 0; c < C; ++c) s[r][c] = ibcast(WIDEN ? 0 : xqsum[r * G + g]);  // the offset first, or at widen()
     for (int j = 0; j < (EIGHT ? 8 : 4); ++j) {  // int8: k quad j; int4: quads j (low nibbles) and 4 + j (high)
       Ints u[C][2];
       for (int c = 0; c < C; ++c) {
