@@ -6,9 +6,11 @@
 // - Tasks: one per run of a sequence's consecutive tokens (in a step of few runs, one per KV head and the query
 //   heads that read it, or per query head, and a run's tokens in parts, so that one stream's tokens use every
 //   thread), split over threads by at::parallel_for (never within a head), so a token's bits never depend on the
-//   other tokens of the step or on the thread count. A task copies the keys and values of the KV heads it reads
-//   (each slot's heads together) to float32 buffers, once for its tokens (a verify step's drafts read the same
-//   keys), then computes each token's query heads.
+//   other tokens of the step or on the thread count. A task reads the keys and values of the KV heads it reads
+//   (each slot's heads together) in place from a float32 cache, after asking for all of them at once (prefetches:
+//   the reads wait on memory together, not one after another); from any other cache it copies them to float32
+//   buffers, once for its tokens (a verify step's drafts read the same keys). Then it computes each token's query
+//   heads.
 // - Rounding where the pure-PyTorch form (cpu.py) rounds, in the query's dtype T (bfloat16 or float32):
 //   q' = T(q * scale); an 8-bit cache's K/V = T(code * token scale), a bfloat16 cache's as stored (exact in
 //   float32); s_j = T(q' . k_j); p = T(softmax(s)); out = T(sum_j p_j v_j). Products and sums in float32; e^x by
@@ -16,8 +18,8 @@
 // - Order, fixed: a dot product over d accumulates 8 lanes (lane d % 8) from d = 0 up, then adds the lanes
 //   pairwise ((0+1)+(2+3))+((4+5)+(6+7)); softmax sums e_j likewise, lane (j - start) % 8 from j = start up; each
 //   output element accumulates over j = start, start + 1, ..., pos. Built with -ffp-contract=off: no fused
-//   multiply-adds. AVX2 vectors (where cpu_matmul.isa() vouches for it), elementwise, so AVX-512 machines give the
-//   same bits.
+//   multiply-adds (they would change every output's bits, and so which drafts a speculating stream keeps). AVX2
+//   vectors (where cpu_matmul.isa() vouches for it), elementwise, so AVX-512 machines give the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -105,12 +107,11 @@ inline v8 load8(const C* x, float scale) {
 
 // out = sum_j p_j v_j for CH chunks of 8 dims, j in order (CH a constant: the sums stay in registers).
 template <int CH, typename T>
-inline void weighted(const float* p, const float* vh, int64_t stride, int64_t len, T* o) {
+inline void weighted(const float* p, const float* const* vp, int64_t at, int64_t len, T* o) {
   v8 acc[CH] = {};
   for (int64_t j = 0; j < len; ++j)
-    for (int c = 0; c < CH; ++c) acc[c] += p[j] * *(const v8u*)&vh[j * stride + 8 * c];
-  for (int c = 0; c < CH; ++c)
-    for (int l = 0; l < 8; ++l) o[8 * c + l] = static_cast<T>(acc[c][l]);
+    for (int c = 0; c < CH; ++c) acc[c] += p[j] * *(const v8u*)&vp[j][at + 8 * c];
+  for (int l = 0; l < 8 * CH; ++l) o[l] = static_cast<T>(acc[l / 8][l % 8]);
 }
 
 template <typename T, typename C>
@@ -144,16 +145,23 @@ void run(const Args& a) {
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> q(dim), k, v, p;
+    std::vector<const float*> kp, vp;  // key j's vectors (its kvs heads together): in the cache or k, v
     for (size_t task; (task = next++) < tasks.size();) {
       const auto [first_token, last_token, head0, head1] = tasks[task];
       const int64_t kv0 = head0 / group, kvs = (head1 - 1) / group + 1 - kv0;  // the KV heads it reads
       int64_t lo = first(first_token), hi = 0;  // the keys its tokens read
       for (int64_t i = first_token; i < last_token; ++i) lo = std::min(lo, first(i)), hi = std::max(hi, a.positions[i]);
       const int64_t keys = hi + 1 - lo, *table = a.tables + a.seqs[first_token] * a.width;
-      k.resize((keys + 8) * kvs * dim), v.resize(keys * kvs * dim), p.resize(keys + 8);  // 8 spare keys, floats
+      constexpr bool direct = std::is_same_v<C, float>;  // a float32 cache is read in place, not copied
+      k.resize(direct ? 0 : keys * kvs * dim), v.resize(k.size()), p.resize(keys + 8);  // p: 8 spare floats
+      kp.assign(keys + 8, direct ? (const float*)k_cache : k.data()), vp.resize(keys);  // 8 spare keys, unused
       for (int64_t j = 0; j < keys; ++j) {  // key lo + j's slot: block table[(lo + j) / block_size], row the rest
         const int64_t slot = table[(lo + j) / a.block_size] * a.block_size + (lo + j) % a.block_size;
-        for (int64_t h = 0; h < kvs; ++h) {
+        kp[j] = direct ? (const float*)k_cache + (slot * a.kv_heads + kv0) * dim : &k[j * kvs * dim];
+        vp[j] = direct ? (const float*)v_cache + (slot * a.kv_heads + kv0) * dim : &v[j * kvs * dim];
+        for (int64_t b = 0; direct && b < kvs * dim; b += 16)
+          _mm_prefetch((const char*)(kp[j] + b), _MM_HINT_T1), _mm_prefetch((const char*)(vp[j] + b), _MM_HINT_T1);
+        for (int64_t h = 0; h < kvs && !direct; ++h) {
           const int64_t at = slot * a.kv_heads + kv0 + h;  // its vector's offset in the cache / dim, its scale's
           for (int d = 0; d < dim; d += 8) {
             *(v8u*)&k[(j * kvs + h) * dim + d] = load8<T>(k_cache + at * dim + d, a.k_scales ? a.k_scales[at] : 1.f);
@@ -164,13 +172,13 @@ void run(const Args& a) {
       for (int64_t i = first_token; i < last_token; ++i)
         for (int64_t head = head0; head < head1; ++head) {
           const int64_t start = first(i) - lo, len = a.positions[i] + 1 - first(i);  // its keys: start.. in k, v
-          const int64_t at = (a.rows[i] * a.heads + head) * dim, h = head / group - kv0;  // offset in query and out
-          const float *kh = &k[(start * kvs + h) * dim], *vh = &v[(start * kvs + h) * dim];
+          const int64_t at = (a.rows[i] * a.heads + head) * dim, h = (head / group - kv0) * dim;
+          const float *const *kh = &kp[start], *const *vh = &vp[start];  // h: the head's offset in them
           for (int d = 0; d < dim; ++d) q[d] = round_to<T>(static_cast<float>(q_all[at + d]) * a.scale);
           for (int64_t j = 0; j < len; j += 8) {  // s_j = q . k_j: lanes d % 8 from d = 0 up, then added pairwise
             v8 acc[8] = {};  // keys j..j + 7 at once (past len: the buffers' spare keys and floats)
             for (int d = 0; d < dim; d += 8)
-              for (int t = 0; t < 8; ++t) acc[t] += *(const v8u*)&q[d] * *(const v8u*)&kh[(j + t) * kvs * dim + d];
+              for (int t = 0; t < 8; ++t) acc[t] += *(const v8u*)&q[d] * *(const v8u*)&kh[j + t][h + d];
             *(v8u*)&p[j] = round8<T>(sums8(acc));
           }
           // Softmax, each probability rounded to T. The last chunk runs past len, into p's 8 spare floats: -inf
@@ -179,8 +187,7 @@ void run(const Args& a) {
           std::fill(p.begin() + len, p.begin() + end, -__builtin_inff());
           v8 top = *(const v8u*)&p[0], total = {};
           for (int64_t j = 8; j < len; j += 8) top = top > *(const v8u*)&p[j] ? top : *(const v8u*)&p[j];
-          float m = top[0];
-          for (int l = 1; l < 8; ++l) m = std::max(m, top[l]);
+          const float m = std::max({top[0], top[1], top[2], top[3], top[4], top[5], top[6], top[7]});
           for (int64_t j = 0; j < len; j += 8) *(v8u*)&p[j] = exp8(*(const v8u*)&p[j] - m);
           std::fill(p.begin() + len, p.begin() + end, 0.0f);
           for (int64_t j = 0; j < len; j += 8) total += *(const v8u*)&p[j];
@@ -188,8 +195,8 @@ void run(const Args& a) {
           for (int64_t j = 0; j < len; j += 8) *(v8u*)&p[j] = round8<T>(*(const v8u*)&p[j] / sum);
           T* o = o_all + at;
           int d0 = 0;  // 64 dims at a time, then 8
-          for (; d0 + 64 <= dim; d0 += 64) weighted<8>(p.data(), vh + d0, kvs * dim, len, o + d0);
-          for (; d0 < dim; d0 += 8) weighted<1>(p.data(), vh + d0, kvs * dim, len, o + d0);
+          for (; d0 + 64 <= dim; d0 += 64) weighted<8>(p.data(), vh, h + d0, len, o + d0);
+          for (; d0 < dim; d0 += 8) weighted<1>(p.data(), vh, h + d0, len, o + d0);
         }
     }
   });
