@@ -101,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    import weights  # after parsing: --help needs no torch
+    try:
+        import weights  # after parsing: --help needs no torch
 
-    gguf = weights.resolve_checkpoint()
+        gguf = weights.resolve_checkpoint()
+    except (ImportError, FileNotFoundError) as e:  # laneserve's servers need what weights.py needs
+        p.error(f"laneserve is not installed here ({type(e).__name__}: {e})")
     commands: dict[str, tuple[list[str], dict[str, str]]] = {}
     ports: dict[str, int] = {}
     for name in ([PEER] if args.peer else []) + args.variants:

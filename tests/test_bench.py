@@ -370,6 +370,18 @@ def test_peer_rounds_say_why_a_server_did_not_come_up(capsys):
     assert e.value.code == 2 and "4 is not CLIENTS:REQUESTS (say 4:2)" in capsys.readouterr().err
 
 
+def test_peer_rounds_without_laneserve_installed_are_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "weights", None)  # as where torch is missing: importing it raises
+    with pytest.raises(SystemExit) as e:
+        bench_peer.main(["--variants", "default"])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and "error: laneserve is not installed here (ModuleNotFoundError" in err
+        and "Traceback" not in err
+    )
+
+
 def test_kernel_bench_sizes_that_do_not_fit_in_memory_are_one_line():
     with pytest.raises(SystemExit) as e:
         bench_kernel.main(["--device", "cpu", "--batches", "1000000", "--contexts", "1000000"])
