@@ -199,8 +199,9 @@ def tool_choice(body: dict) -> str | dict | None:
     functions = {t["function"]["name"]: t["function"] for t in given}
     if choice in ("auto", "required"):
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if name not in functions:
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or name not in functions:
         raise ApiError(
             400,
             f"'tool_choice' must be none, auto, required or one of the tools: {', '.join(functions)}",
@@ -297,9 +298,9 @@ def completion_prompts(body: dict, engine: Engine) -> tuple[list[str | list[int]
 
 def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: int) -> SamplingParams:
     """Sequence i of the n for one prompt; a seeded request seeds sequence i with seed + i."""
-    max_tokens = get(body, "max_completion_tokens", int) if chat else None
-    if max_tokens is None:
-        max_tokens = get(body, "max_tokens", int)
+    field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get(body, "max_tokens", int)  # checked even where max_completion_tokens wins
+    max_tokens = get(body, field, int)
     echo = not chat and get(body, "echo", bool, False)
     if echo and max_tokens == 0:  # scores the prompt alone: the one token generated is not reported (scoring_only)
         max_tokens = 1
@@ -324,7 +325,7 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
             f"context length is {limit} tokens and your request has {prompt_len} input tokens "
             f"({max_tokens} > {limit} - {prompt_len}).",
-            "max_tokens",
+            field,
             "context_length_exceeded",
         )
     stop = body.get("stop")
@@ -343,6 +344,8 @@ def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: 
     if echo and logprobs is not None:  # the echoed prompt's tokens carry logprobs too, as OpenAI's and vLLM's
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     seed = get(body, "seed", int)
+    if seed is not None and not -(2**63) <= seed < 2**64:  # vLLM's int64, and the engine's unsigned 64 bits
+        raise ApiError(400, "'seed' must be in [-2**63, 2**64)", "seed")
     bias, stop_ids = get(body, "logit_bias", dict, {}), get(body, "stop_token_ids", list, [])
     vocab = engine.model_config.vocab_size
     if not all(

@@ -502,6 +502,20 @@ def test_bad_prompts(server, prompt):
     assert got == 400 and error["message"] and error["param"] == "prompt", error
 
 
+def test_seeds_out_of_range_and_max_tokens_beside_max_completion_tokens_are_400s(server):
+    # A seed past 64 bits is refused, not wrapped onto another; max_tokens is checked even where
+    # max_completion_tokens decides.
+    for body, param in [
+        ({"prompt": "x", "max_tokens": 1, "seed": 2**64}, "seed"),
+        ({"prompt": "x", "max_tokens": 1, "seed": -(2**63) - 1}, "seed"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1, "max_tokens": "a"}, "max_tokens"),
+    ]:
+        status, raw = request(server, "POST", "/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
+        assert (status, json.loads(raw)["error"]["param"]) == (400, param), raw
+    for seed in (-(2**63), 2**64 - 1):
+        assert request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1, "seed": seed})[0] == 200
+
+
 def test_routes_sizes_and_context(server):
     assert request(server, "GET", "/v1/nothing")[0] == 404
     assert request(server, "POST", "/v1/chat/completions/x", b"{}")[0] == 404
@@ -512,6 +526,7 @@ def test_routes_sizes_and_context(server):
         ({"prompt": "hello " * 9000, "max_tokens": 1}, "prompt"),
         ({"messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
         ({"prompt": "hello " * 100, "max_tokens": 8100}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8190}, "max_completion_tokens"),
     ]:
         status, raw = request(server, "POST", "/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
         error = json.loads(raw)["error"]

@@ -172,6 +172,10 @@ def test_bad_tools_and_choices_are_400s(client):
         (dict(tools=[{"type": "function"}]), "tools: each must be"),
         (dict(tools=[WEATHER, WEATHER]), "appears twice"),
         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "one of the tools"),
+        *(  # a function that is no object, or a name that is no string: a 400, not a dropped connection
+            (dict(tools=[WEATHER], tool_choice={"type": "function", "function": f}), "one of the tools")
+            for f in ("get_weather", None, 5, [], {"name": ["get_weather"]})
+        ),
         (dict(tool_choice="required"), "needs 'tools'"),
         (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "one grammar"),
         (
