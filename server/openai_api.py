@@ -395,7 +395,7 @@ def structured_outputs(body: dict) -> dict | None:
     guided_choice and guided_grammar. Whether it compiles is the engine's to say (a 400 naming the problem)."""
     found = []
     fmt = get(body, "response_format", dict, {})
-    if (kind := fmt.get("type") or "text") == "json_object":
+    if (kind := "text" if fmt.get("type") is None else fmt["type"]) == "json_object":
         found.append({"json_object": True})
     elif kind == "json_schema":
         spec = fmt.get("json_schema")
@@ -411,7 +411,7 @@ def structured_outputs(body: dict) -> dict | None:
     spec = get(body, "structured_outputs", dict, {})
     if unknown := sorted(k for k, v in spec.items() if v is not None and k not in GRAMMARS):
         raise ApiError(400, f"structured_outputs: unsupported key(s) {', '.join(unknown)}", "structured_outputs")
-    found += [{k: v} for k, v in spec.items() if v is not None]
+    found += [{k: v} for k, v in spec.items() if v is not None and not (k == "json_object" and v is False)]
     old = {k: body.get(f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
     found += [{k: v} for k, v in old.items() if v is not None]
     found += [call] if (call := call_grammar(body)) else []  # a named or required tool_choice

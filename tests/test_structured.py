@@ -17,6 +17,7 @@ from config import EngineConfig
 from conftest import serving
 from engine import LLM, SamplingParams
 from sequence import Sequence
+from server import openai_api
 
 PERSON = {
     "type": "object",
@@ -182,6 +183,16 @@ def test_bad_grammars_are_400s_naming_the_problem(client):
     ]:
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(**chat, **kwargs)
+
+
+def test_grammar_spellings_that_ask_for_none_hold_none():
+    """json_object false asks for no grammar; a response_format type that is no string is a 400, not text."""
+    assert openai_api.structured_outputs({"structured_outputs": {"json_object": False}}) is None
+    assert openai_api.structured_outputs({"response_format": {"type": None}}) is None
+    assert openai_api.structured_outputs({"structured_outputs": {"json_object": True}}) == {"json_object": True}
+    for kind in ({}, "", 0):
+        with pytest.raises(openai_api.ApiError, match="json_object or json_schema"):
+            openai_api.structured_outputs({"response_format": {"type": kind}})
 
 
 def test_structured_outputs_need_no_checkpoint_of_their_own(smollm2_shapes):
