@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
         gguf = weights.resolve_checkpoint()
     except (ImportError, FileNotFoundError) as e:  # laneserve's servers need what weights.py needs
-        p.error(f"laneserve is not installed here ({type(e).__name__}: {e})")
+        p.error(f"laneserve cannot run here ({type(e).__name__}: {e})")
     commands: dict[str, tuple[list[str], dict[str, str]]] = {}
     ports: dict[str, int] = {}
     for name in ([PEER] if args.peer else []) + args.variants:

@@ -299,7 +299,7 @@ def completion_prompts(body: dict, engine: Engine) -> tuple[list[str | list[int]
 def sampling_params(body: dict, chat: bool, prompt_len: int, engine: Engine, i: int) -> SamplingParams:
     """Sequence i of the n for one prompt; a seeded request seeds sequence i with seed + i."""
     field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = get(body, "max_tokens", int)  # checked even where max_completion_tokens wins
+    get(body, "max_tokens", int)  # type-checked even where max_completion_tokens wins
     max_tokens = get(body, field, int)
     echo = not chat and get(body, "echo", bool, False)
     if echo and max_tokens == 0:  # scores the prompt alone: the one token generated is not reported (scoring_only)
