@@ -65,6 +65,9 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{kind} does not compile: {matcher.get_error().strip()[:500]}")
+        matcher.compute_bitmask()  # an empty language (a regex like a[^\s\S]) allows no first token: an error here
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{kind} matches no text")
         return Matcher(matcher)
 
 

@@ -140,8 +140,12 @@ def chat_prompt(body: dict, engine: Engine, add_generation_prompt: bool = True) 
             raise ApiError(400, f"messages[{i}].content must be a string or an array of parts", "messages")
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
         message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
-        if isinstance(m.get("tool_call_id"), str):  # a tool's result, for the call of that id
-            message["tool_call_id"] = m["tool_call_id"]
+        for key in ("name", "tool_call_id"):  # a participant's name; a tool's result, for the call of that id
+            if (value := m.get(key)) is None:
+                continue
+            if not isinstance(value, str):
+                raise ApiError(400, f"messages[{i}].{key} must be a string", "messages")
+            message[key] = value
         if m.get("tool_calls") is not None:  # an earlier turn's calls, arguments as objects (as templates read them)
             message["tool_calls"] = _calls_for_template(m["tool_calls"], i)
         clean.append(message)

@@ -942,6 +942,7 @@ def test_tokenize_detokenize_version(server):
         ("/detokenize", {"tokens": [-1]}),
         ("/detokenize", {}),
         ("/tokenize", b"[1]"),
+        ("/tokenize", {"prompt": "x", "messages": CHAT}),  # which one it tokenized would be a guess
     ]:
         status, reply = request(server, "POST", path, body)
         assert status == 400 and json.loads(reply)["error"]["type"] == "invalid_request_error", (path, reply)

@@ -69,6 +69,7 @@ def test_a_grammar_that_does_not_compile_is_refused_by_name(smol):
         ({"grammar": "root ::= ("}, "grammar"),
         ({"choice": []}, "choice"),
         ({"choice": "Paris"}, "choice"),
+        ({"regex": "a[^\\s\\S]"}, "regex matches no text"),  # an empty language: no first token to sample
         ({"yaml": "a: 1"}, "exactly one of"),
         ({"json": PERSON, "regex": "a"}, "exactly one of"),
     ]:
@@ -175,6 +176,7 @@ def test_bad_grammars_are_400s_naming_the_problem(client):
     chat = dict(model="smollm2-135m", messages=QUESTION, max_tokens=8)
     for kwargs, words in [
         (dict(extra_body={"guided_regex": "(("}), "regex does not compile"),
+        (dict(extra_body={"guided_regex": "[^\\s\\S]"}), "regex matches no text"),
         (dict(extra_body={"structured_outputs": {"json": {"type": "nonsense"}}}), "json does not compile"),
         (dict(extra_body={"structured_outputs": {"yaml": "x"}}), "unsupported key"),
         (dict(extra_body={"guided_regex": "a", "guided_choice": ["a"]}), "one grammar"),

@@ -133,14 +133,14 @@ def test_tools_and_calls_reach_the_template(tiny):
         "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
         "{% for m in messages %}{{ m.role }}:{{ m.content }}"
         "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}"
-        "{% endfor %}"
+        "{{ m.name or '' }}{{ m.tool_call_id or '' }}{% endfor %}"
     )
     body = {
-        "messages": [{"role": "user", "content": "hi"}, *called("Oslo", "rain")],
+        "messages": [{"role": "user", "content": "hi", "name": "Ann"}, *called("Oslo", "rain")],
         "tools": [WEATHER, TIME],
     }
     text = llm.tokenizer.decode(openai_api.chat_prompt(body, llm, add_generation_prompt=False))
-    assert text == "[get_weather][get_time]user:hiassistant:<get_weather Oslo>tool:rain"
+    assert text == "[get_weather][get_time]user:hiAnnassistant:<get_weather Oslo>tool:raincall_1"
 
 
 def test_the_families_call_formats_are_parsed():
@@ -177,6 +177,8 @@ def test_bad_tools_and_choices_are_400s(client):
             for f in ("get_weather", None, 5, [], {"name": ["get_weather"]})
         ),
         (dict(tool_choice="required"), "needs 'tools'"),
+        (dict(messages=[{**ASK[0], "name": 7}]), r"messages\[0\].name must be a string"),
+        (dict(messages=[*ASK, {"role": "tool", "tool_call_id": 1, "content": "x"}]), "tool_call_id must be a string"),
         (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "one grammar"),
         (
             dict(
