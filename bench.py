@@ -255,7 +255,7 @@ def parse_args(argv: list[str] | None, prog: str = "bench.py") -> argparse.Names
     except ValueError:
         url = None
     if not (url and url.scheme in ("http", "https") and url.netloc):
-        p.error(f"--base-url must be an http:// or https:// URL, got {args.base_url!r}")
+        p.error(f"--base-url must be an http:// or https:// URL (a port, if any, in 0-65535), got {args.base_url!r}")
 
     def changed(*names: str) -> list[str]:  # the flags among these given a value other than their default
         return [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != p.get_default(k)]
@@ -1096,7 +1096,7 @@ def exit_code(rc: int) -> int:
 LANESERVE_USAGE = """\
 usage: laneserve serve [MODEL] [options]   an OpenAI-compatible server, as python serve.py
    or: laneserve bench [options]           measure a server (vLLM's metrics), as python bench.py
-laneserve serve --help and laneserve bench --help list the options"""
+laneserve serve --help and laneserve bench --help list the options; laneserve --version says which laneserve"""
 
 
 def laneserve(argv: list[str] | None = None) -> int:
@@ -1105,6 +1105,9 @@ def laneserve(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):  # no command: the usage, as an error
         print(LANESERVE_USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"laneserve {serve.version()}")
+        return 0
     if argv[0] == "serve":
         return serve.main(argv[1:], "laneserve serve")
     if argv[0] == "bench":

@@ -40,7 +40,8 @@ class ArgumentParser(argparse.ArgumentParser):
         unknown = message.removeprefix("unrecognized arguments: ").split()
         if hints := [c for arg in unknown if arg.startswith("-") and (c := _closest(arg.split("=")[0], flags))]:
             message += f" (did you mean {' and '.join(hints)}?)"
-        positionals = "".join(f" {a.metavar or a.dest}" for a in self._actions if not a.option_strings)
+        names = [(a.metavar or a.dest, a.nargs == "?") for a in self._actions if not a.option_strings]
+        positionals = "".join(f" [{name}]" if optional else f" {name}" for name, optional in names)
         usage = self.format_usage() if self.usage else f"usage: {self.prog} [options]{positionals}\n"
         self.exit(2, f"{usage}{self.prog}: error: {message}; see {self.prog} --help\n")
 
@@ -113,7 +114,13 @@ def add_cli_args(parser: argparse.ArgumentParser, title: str = "engine") -> None
 def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The config a command line asked for (None: the field's default); ValueError names a bad knob."""
     given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if getattr(args, f.name, None) is not None}
-    given |= getattr(args, "speculative_config", None) or {}
+    spec = getattr(args, "speculative_config", None) or {}
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    for k, v in spec.items():  # a flag set otherwise beside the JSON: which one was meant is a guess
+        if given.get(k, defaults[k]) not in (v, defaults[k]):
+            flag = "--" + k.replace("_", "-")
+            raise ValueError(f"{flag} {given[k]} and --speculative-config's {k} {v} disagree: give one")
+    given |= spec
     config = EngineConfig(**{**given, **overrides})
     if config.prefix_cache_isolation and not config.enable_prefix_caching:  # alone it would do nothing, silently
         raise ValueError("--prefix-cache-isolation acts on the prefix cache: add --enable-prefix-caching")

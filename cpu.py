@@ -37,6 +37,19 @@ def has_bf16_units() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & _cpu_flags())
 
 
+def check_free_memory(nbytes: int) -> None:
+    """MemoryError if nbytes is more than 90% of what Linux says it can still give without swapping (MemAvailable),
+    the rest left to the steps' activations. Linux grants a larger allocation anyway and kills the process as the
+    pages fill, with no message (the OOM killer)."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: the allocator's own refusal is all there is
+        return
+    if nbytes > 0.9 * free:
+        raise MemoryError(f"that is {nbytes / 2**30:.1f} GiB, more than 90% of the {free / 2**30:.1f} GiB free")
+
+
 def own_format(checkpoint: str | None) -> str | None:
     """--quantization's default on this CPU: "int4" for a GGUF whose matmul weights are all Q4_1, where the kernels
     run (int4 gives back the file's own codes, as llama.cpp serves it; its 8-bit dot products beat bfloat16's at
@@ -47,8 +60,8 @@ def own_format(checkpoint: str | None) -> str | None:
     return "int4" if kinds - {"F32"} == {"Q4_1"} else None
 
 
-def choices(dtype: torch.dtype, quantization: str | None) -> str:
-    """What runs on this CPU and why, in a line (serve.py prints it at startup)."""
+def choices(dtype: torch.dtype, quantization: str | None, asked: bool = False) -> str:
+    """What runs on this CPU and why, in a line (serve.py prints it at startup). asked: --dtype named the dtype."""
     isa = cpu_matmul.isa()
     kernel = next((name for name, i in cpu_matmul.ISAS.items() if i == isa), None)
     units = "has bf16 dot products" if has_bf16_units() else "has no bf16 dot products"
@@ -56,7 +69,7 @@ def choices(dtype: torch.dtype, quantization: str | None) -> str:
     weights_as = (
         f"4-bit groups (int4: a Q4_1 GGUF's own blocks) by 8-bit codes of {name} activations, as llama.cpp"
         if quantization
-        else f"{name}: this CPU {units}"
+        else f"{name}: " + ("as --dtype asks" if asked else f"this CPU {units}")
     )
     return (
         f"CPU matmul kernels {kernel or 'off (oneDNN and row tiles)'}; weights as {weights_as}"

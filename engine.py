@@ -46,8 +46,10 @@ class Engine:
     tokenizer, the counters of /metrics, and each step's record of drafts (`verified`). add_request and abort
     between steps; step() runs one."""
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
-        # Keyword arguments set knobs, over config's if both are given.
+    def __init__(self, config: EngineConfig | str | None = None, **kwargs):
+        # Keyword arguments set knobs, over config's if both are given. A string names the model, as vLLM's LLM("...").
+        if isinstance(config, str):
+            config, kwargs["model"] = None, config
         self.config = c = replace(config, **kwargs) if config else EngineConfig(**kwargs)
         if c.torch_threads:
             torch.set_num_threads(c.torch_threads)
@@ -108,13 +110,11 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if self.config.prefix_cache_isolation and params.cache_salt is None:  # a salt nobody else can guess
             params = replace(params, cache_salt=secrets.token_hex(16))
-        if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        ids = (
-            self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
-            if isinstance(prompt, str)
-            else list(prompt)
-        )
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt, add_bos=self.tokenizer.add_bos_token)
+        if not (isinstance(prompt, (list, tuple)) and all(type(t) is int for t in prompt)):
+            raise ValueError(f"a prompt is a string or a list of token ids (Python ints), got {prompt!r:.80}")
+        ids = list(prompt)
         c, vocab, pool = self.config, self.model_config.vocab_size, self.block_manager.num_blocks
         blocks = -(-(len(ids) + params.max_tokens) // c.block_size)
         request_id = uuid.uuid4().hex if request_id is None else request_id
@@ -184,7 +184,8 @@ class Engine:
         if not out.scheduled:
             return ended
         for seq, n in out.scheduled:
-            seq.queue_time = time.monotonic() - seq.arrival_time if seq.queue_time is None else seq.queue_time
+            if seq.queue_time is None:
+                seq.queue_time = time.monotonic() - seq.arrival_time
             begin, prompt_end = seq.num_computed_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens)
             self.num_prompt_tokens += max(0, prompt_end - begin)
             self.block_manager.publish(seq.block_table, seq.token_ids, begin, prompt_end, seq.params.cache_salt)

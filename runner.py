@@ -146,8 +146,6 @@ class ModelRunner:
     def _load(self, model_config: ModelConfig | None, tp_size: int) -> None:
         """The weights (this rank's part of them) into a Transformer on the device."""
         c, on_cpu = self.config, self.device.type == "cpu"
-        if c.dummy_weights and model_config is None and c.model not in weights.PRESETS:
-            raise ValueError(f"--dummy-weights needs a preset name, one of {sorted(weights.PRESETS)}")
         self.checkpoint_path = None if c.dummy_weights else weights.resolve_checkpoint(c.model, c.model_path)
         # Unset on a CPU: a Q4_1 GGUF's own 4-bit blocks where the kernels run (cpu.own_format).
         self.quantization = c.quantization or (
@@ -160,7 +158,7 @@ class ModelRunner:
         self.dtype = (torch.float32 if wide else torch.bfloat16) if c.dtype == "auto" else getattr(torch, c.dtype)
         self.kv_dtype = KV_CACHE_DTYPES.get(c.kv_cache_dtype, self.dtype)
         if c.dummy_weights:
-            self.model_config = model_config or weights.PRESETS[c.model]
+            self.model_config = model_config or weights.preset(c.model)
             state = weights.dummy_weights(self.model_config, self.dtype, c.seed, self.device, self.rank, tp_size)
         else:
             if self.rank == 0:
@@ -213,6 +211,8 @@ class ModelRunner:
             )
         self.num_swap_blocks = int(c.swap_space * 2**30) // per_block if c.preemption_mode == "swap" else 0
         try:
+            if self.device.type == "cpu":  # the host's swap blocks take memory as they are used, the pool at once
+                cpu.check_free_memory((self.num_kv_blocks + self.num_swap_blocks) * per_block)
             self.kv_cache = KVCache(
                 kv, self.num_kv_blocks, c.block_size, self.kv_dtype, self.device, self.num_swap_blocks
             )

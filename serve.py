@@ -94,7 +94,7 @@ class Server(EngineLoop):
             self._httpd.process_request(request, address)
 
 
-def _version() -> str:
+def version() -> str:
     try:
         return importlib.metadata.version("laneserve")
     except importlib.metadata.PackageNotFoundError:  # a checkout pip never installed
@@ -120,8 +120,8 @@ class Handler(RequestHandler):
             ("GET", "/v1/engine/steps"): self._steps,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
-            ("GET", "/version"): lambda: self._send(200, {"version": _version()}),
-            ("GET", "/openapi.json"): lambda: self._send(200, openai_api.openapi(_version())),
+            ("GET", "/version"): lambda: self._send(200, {"version": version()}),
+            ("GET", "/openapi.json"): lambda: self._send(200, openai_api.openapi(version())),
             ("POST", "/tokenize"): lambda: self._tokenize(body),
             ("POST", "/detokenize"): lambda: self._detokenize(body),
             ("GET", "/v1/models"): self._models,
@@ -427,6 +427,7 @@ def _parser(prog: str = "serve.py") -> ArgumentParser:
         help="web pages whose scripts may call the "
         "server (CORS), as scheme://host:port, or * for any (default none; vLLM's is *)",
     )
+    a("--version", action="version", version=f"laneserve {version()}")
     a("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's `vllm serve MODEL`)")
     a("--trust-remote-code", action="store_true", help="accepted for vLLM's command lines: no remote code runs here")
     a(
@@ -435,6 +436,7 @@ def _parser(prog: str = "serve.py") -> ArgumentParser:
         help="accepted for vLLM's command lines: no periodic stats are logged",
     )
     add_cli_args(p)
+    p.set_defaults(model=None)  # so that main() tells --model given from --model left out (EngineConfig's default)
     p.epilog = "presets for --model: " + ", ".join(PRESETS)
     return p
 
@@ -463,9 +465,9 @@ def sampling_note(engine: Engine, config: EngineConfig) -> str:
 def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
     parser = _parser(prog)
     args = parser.parse_args(argv)
-    if args.model_tag and args.model not in (DEFAULT_MODEL, args.model_tag):
+    if args.model_tag and args.model not in (None, args.model_tag):
         parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
-    args.model = args.model_tag or args.model
+    args.model = args.model_tag or args.model or DEFAULT_MODEL
     if args.trust_remote_code:
         print("laneserve: --trust-remote-code changes nothing: no checkpoint's code runs here", file=sys.stderr)
     try:
@@ -548,7 +550,7 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
             file=sys.stderr,
         )
         if e.device.type == "cpu":
-            print(f"laneserve: {cpu.choices(e.dtype, e.quantization)}", file=sys.stderr)
+            print(f"laneserve: {cpu.choices(e.dtype, e.quantization, config.dtype != 'auto')}", file=sys.stderr)
         print(f"laneserve: {sampling_note(e, config)}", file=sys.stderr)
         # With a timeout: a signal the kernel hands to another thread only wakes the main thread's wait here.
         while not stop.wait(0.5):

@@ -221,15 +221,18 @@ def test_the_python_api_refuses_bad_input_whole(tiny):
     ):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             LLM(model=tiny, dummy_weights=True, **kwargs)
+    with pytest.raises(ValueError, match="--dummy-weights needs a preset name, one of .*tiny.*: not 'nosuch'"):
+        LLM(model="nosuch", dummy_weights=True)
     llm = LLM(EngineConfig(model=tiny, dummy_weights=True, num_kv_blocks=64), max_num_seqs=3)  # kwargs win
     assert llm.config.max_num_seqs == 3 and llm.config.num_kv_blocks == 64
+    assert LLM(tiny, dummy_weights=True, num_kv_blocks=8).config.model == tiny  # vLLM's LLM("model")
     greedy = SamplingParams(max_tokens=2, temperature=0)
     for prompts, match in (
         (b"hello", "prompts"),
         (None, "prompts"),
         (torch.tensor([1, 2]), "prompts"),
         ([[1.5, 5]], "token ids"),
-        ([[True, 5]], "token ids"),
+        ([[True, 5]], r"token ids \(Python ints\), got \[True, 5\]"),
     ):
         with pytest.raises(ValueError, match=match):
             llm.generate(prompts, greedy)
@@ -528,7 +531,18 @@ def test_a_q4_1_gguf_is_served_in_its_own_blocks_where_the_kernels_run(monkeypat
     assert "Q4_1 GGUF's own blocks" in cpu.choices(torch.float32, "int4")
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: True)
     assert cpu.own_format(path) == "int4" and "bfloat16: this CPU has bf16" in cpu.choices(torch.bfloat16, None)
+    assert "float16: as --dtype asks;" in cpu.choices(torch.float16, None, asked=True)
     assert (LLM(device="cpu", num_kv_blocks=64).dtype, asked.dtype) == (torch.float32, torch.float32)
     monkeypatch.setenv("LANESERVE_CPU_MATMUL", "off")
     assert cpu.own_format(path) is None
     assert LLM(device="cpu", num_kv_blocks=64).dtype == torch.bfloat16
+
+
+def test_a_kv_pool_beyond_the_free_memory_is_refused_not_killed(tiny):
+    """Linux grants the pool's allocations and kills the process as their zeros land: the runner asks first."""
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    with pytest.raises(ValueError, match=r"cannot allocate .*--kv-cache-memory.* GiB free"):
+        LLM(model=tiny, dummy_weights=True, kv_cache_memory=1.5 * free / 2**30)
+    with pytest.raises(ValueError, match=r"--num-kv-blocks.* GiB free"):
+        LLM(model=tiny, dummy_weights=True, num_kv_blocks=free // 1024)  # of 4 KiB or more

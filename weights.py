@@ -327,7 +327,10 @@ def load_weights(
 @functools.lru_cache(maxsize=1)
 def read_gguf(path: str) -> gguf.GGUFReader:
     """A GGUF file's parsed header, kept: the weights, then the tokenizer read it (the engine drops it after)."""
-    return gguf_reader()(path)
+    try:
+        return gguf_reader()(path)
+    except ValueError as e:  # gguf's own messages ("GGUF magic invalid") name no file
+        raise ValueError(f"{path} is not a GGUF file gguf can read: {e}") from None
 
 
 @functools.cache
@@ -643,6 +646,13 @@ def load_state_dict(model: Transformer, sd: dict[str, torch.Tensor]) -> None:
         )
     if sd:
         raise ValueError(f"unexpected weights in checkpoint: {sorted(sd)[:5]}")
+
+
+def preset(name: str) -> ModelConfig:
+    """A preset's shapes, for --dummy-weights; a ValueError listing the presets for any other name."""
+    if name not in PRESETS:
+        raise ValueError(f"--dummy-weights needs a preset name, one of {', '.join(sorted(PRESETS))}: not {name!r}")
+    return PRESETS[name]
 
 
 def dummy_weights(

@@ -88,6 +88,16 @@ def throughput(url: str, clients: int, requests: int, bench_args: list[str]) -> 
             return json.load(f)["runs"]["remote"]["sweep"][0]["metrics"]["output_throughput"]
 
 
+def words(p: argparse.ArgumentParser, flag: str, text: str, **fill) -> list[str]:
+    """A flag's command line as its words, the placeholders filled in if given; a one-line error if it has none."""
+    try:
+        return shlex.split(text.format(**fill) if fill else text)
+    except KeyError as e:
+        p.error(f"{flag}: no placeholder {{{e.args[0]}}}: it takes {', '.join(map('{{{}}}'.format, fill))}")
+    except (ValueError, IndexError) as e:  # unbalanced quotes or braces, or a positional {0}
+        p.error(f"{flag}: {e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_peer.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--peer", help="the peer's command line, {gguf} and {port} filled in (llama.cpp's llama-server)")
@@ -101,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.json and (os.path.isdir(args.json) or not os.access(os.path.dirname(os.path.abspath(args.json)), os.W_OK)):
+        p.error(f"--json: cannot write {args.json} (a directory, or its directory is missing or read-only)")
+    # Every command line split now, not once servers are up: unbalanced quotes, or a placeholder the peer has not.
+    serve_args, bench_args = words(p, "--serve-args", args.serve_args), words(p, "--bench-args", args.bench_args)
+    peer = args.peer is not None and words(p, "--peer", args.peer, gguf="GGUF", port=0)
+    if peer == []:
+        p.error("--peer is empty: give the peer's command line, or leave --peer out")
     try:
         import weights  # after parsing: --help needs no torch
 
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"laneserve cannot run here ({type(e).__name__}: {e})")
     commands: dict[str, tuple[list[str], dict[str, str]]] = {}
     ports: dict[str, int] = {}
-    for name in ([PEER] if args.peer else []) + args.variants:
+    for name in ([PEER] if peer else []) + args.variants:
         with socket.socket() as s:  # a free port now; taken by the server a moment later
             s.bind(("127.0.0.1", 0))
             ports[name] = s.getsockname()[1]
@@ -118,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             env = {k: v for k, v in os.environ.items() if k != "LANESERVE_CPU_MATMUL"}
             env |= {"LANESERVE_CPU_MATMUL": name} if name != "default" else {}
-            serve = [sys.executable, "serve.py", "--port", str(ports[name]), *shlex.split(args.serve_args)]
+            serve = [sys.executable, "serve.py", "--port", str(ports[name]), *serve_args]
             commands[name] = serve, env
     rounds: dict[str, dict[str, list[float]]] = {f"{c}:{r}": {n: [] for n in commands} for c, r in args.levels}
     procs: dict[str, subprocess.Popen] = {}
@@ -132,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for clients, requests in args.levels:
                 for name in commands:
-                    tok_s = throughput(
-                        f"http://127.0.0.1:{ports[name]}", clients, requests, shlex.split(args.bench_args)
-                    )
+                    tok_s = throughput(f"http://127.0.0.1:{ports[name]}", clients, requests, bench_args)
                     rounds[f"{clients}:{requests}"][name].append(tok_s)
             print(f"bench_peer: round {r + 1} of {args.rounds} done", flush=True)
     finally:

@@ -142,6 +142,7 @@ def test_laneserve_runs_serve_or_bench(capsys):
     assert laneserve([]) == 2 and "usage: laneserve serve " in capsys.readouterr().err  # no command: an error
     assert laneserve(["nope"]) == 2
     assert capsys.readouterr().err == "laneserve: error: no command 'nope': serve or bench (see laneserve --help)\n"
+    assert laneserve(["--version"]) == 0 and capsys.readouterr().out.startswith("laneserve ")
     for argv, own in ((["serve", "--help"], "--served-model-name"), (["bench", "--help"], "--request-rate")):
         with pytest.raises(SystemExit) as e:
             laneserve(argv)
@@ -368,6 +369,22 @@ def test_peer_rounds_say_why_a_server_did_not_come_up(capsys):
     with pytest.raises(SystemExit) as e:
         bench_peer.main(["--levels", "4"])
     assert e.value.code == 2 and "4 is not CLIENTS:REQUESTS (say 4:2)" in capsys.readouterr().err
+
+
+def test_peer_rounds_refuse_bad_command_lines_before_any_server_starts(monkeypatch, capsys):
+    monkeypatch.setattr(bench_peer, "start", lambda *a: pytest.fail("a server started"))
+    for argv, error in (
+        (["--peer", "llama-server {foo}"], "--peer: no placeholder {foo}: it takes {gguf}, {port}"),
+        (["--peer", "llama-server -m {"], "--peer: Single '{' encountered in format string"),
+        (["--peer", ""], "--peer is empty"),
+        (["--serve-args", "'unclosed"], "--serve-args: No closing quotation"),
+        (["--bench-args", "'unclosed"], "--bench-args: No closing quotation"),
+        (["--json", "/nonexistent/r.json"], "--json: cannot write /nonexistent/r.json"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            bench_peer.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.splitlines()[-1].startswith(f"bench_peer.py: error: {error}"), err
 
 
 def test_peer_rounds_without_laneserve_installed_are_one_line(monkeypatch, capsys):
@@ -799,6 +816,10 @@ def test_time_limit_stops_the_run_and_keeps_what_was_measured(stub, tmp_path, ca
         (["--speculative-config", '{"method": "eagle"}'], "argument --speculative-config: a JSON object with"),
         (["--speculative-config", "{8}"], "argument --speculative-config: not JSON"),
         (["--speculative-config", '{"num_speculative_tokens": -1}'], "num_speculative_tokens must be >= 0"),
+        (
+            ["--speculative-config", '{"num_speculative_tokens": 8}', "--num-speculative-tokens", "2"],
+            "--num-speculative-tokens 2 and --speculative-config's num_speculative_tokens 8 disagree",
+        ),
         (["--workload", "poem"], "argument --workload: invalid choice"),
         (["--request-rate", "0"], "argument --request-rate: 0 is not a rate: a number > 0, or inf"),
         (["--request-rate", "fast"], "argument --request-rate: fast is not a rate"),

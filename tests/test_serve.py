@@ -803,13 +803,17 @@ def test_cli_takes_vllms_habits(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         p.parse_args(["--help"])
     assert "presets for --model: smollm2-135m, llama3-8b" in capsys.readouterr().out.replace("\n", " ")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--version"])
+    assert capsys.readouterr().out == f"laneserve {serve.version()}\n"
     monkeypatch.setattr(serve, "Server", lambda config, *a, **k: (_ for _ in ()).throw(RuntimeError(config.model)))
     with pytest.raises(RuntimeError, match="HuggingFaceTB/SmolLM2-135M-Instruct"):
         serve.main(["HuggingFaceTB/SmolLM2-135M-Instruct", "--trust-remote-code"])
     assert "--trust-remote-code changes nothing" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        serve.main(["llama3-8b", "--model", "qwen3-0.6b"])
-    assert e.value.code == 2 and "the model is given twice" in capsys.readouterr().err
+    for argv in (["llama3-8b", "--model", "qwen3-0.6b"], ["qwen3-0.6b", "--model", "smollm2-135m"]):  # the default too
+        with pytest.raises(SystemExit) as e:
+            serve.main(argv)
+        assert e.value.code == 2 and "the model is given twice" in capsys.readouterr().err
 
 
 def test_a_preset_is_found_by_its_hugging_face_id():
