@@ -216,7 +216,7 @@ class Handler(RequestHandler):
         """vLLM's /tokenize: a completion's prompt or a chat's messages, as the engine would see them."""
         engine, body = self._engine(), openai_api.parse_body(raw, "/tokenize")
         openai_api.check_model(body, self.app.model_names)
-        if "messages" in body and "prompt" in body:
+        if body.get("messages") is not None and body.get("prompt") is not None:
             raise ApiError(400, "send 'prompt' or 'messages', not both", "messages")
         if "messages" in body:
             ids = openai_api.chat_prompt(body, engine, openai_api.get(body, "add_generation_prompt", bool, True))
