@@ -232,8 +232,15 @@ def test_speculative_config_flag():
     )
     c = from_cli_args(args)
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (8, 5, 3)
-    args = parser.parse_args(["--num-speculative-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 0}'])
+    args = parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 0}'])
     assert from_cli_args(args).num_speculative_tokens == 0  # 0 turns it off
+    args = parser.parse_args(["--num-speculative-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 4}'])
+    assert from_cli_args(args).num_speculative_tokens == 4  # the same value twice: no conflict
+    args = parser.parse_args(["--num-speculative-tokens", "4", "--speculative-config", '{"num_speculative_tokens": 0}'])
+    with pytest.raises(
+        ValueError, match="--num-speculative-tokens 4 and --speculative-config's num_speculative_tokens 0"
+    ):
+        from_cli_args(args)  # which one was meant would be a guess
     for bad in ('{"method": "eagle"}', "{nope", '["ngram"]', '{"method": "ngram", "draft_model": "x"}'):
         with pytest.raises(argparse.ArgumentError, match="speculative-config"):
             parser.parse_args(["--speculative-config", bad])
