@@ -130,7 +130,8 @@ class Handler(RequestHandler):
         }
         if (route := routes.get((method, path))) is None:
             if allowed := [m for m, p in routes if p == path]:
-                raise ApiError(405, f"{self.command} is not allowed on {path}, only {allowed[0]}")
+                allow = [("Allow", ", ".join(allowed + ["HEAD"] * (allowed == ["GET"])))]  # HEAD is GET's
+                raise ApiError(405, f"{self.command} is not allowed on {path}, only {allowed[0]}", headers=allow)
             # Most often an OpenAI client's base_url without its /v1 (or /v1 where vLLM has none, as /health).
             if near := next(
                 (p for m, p in routes if m == method and p in ("/v1" + path, path.removeprefix("/v1"))), None
@@ -278,7 +279,7 @@ class Handler(RequestHandler):
         )
         index = {rid: i for i, (rid, _, _) in enumerate(job.seqs)}
         outputs: list[list[RequestOutput]] = [[] for _ in index]
-        offsets = [0] * len(index)  # where each choice's next token's text starts (completions' text_offset)
+        offsets = [openai_api.TextOffsets() for _ in index]  # completions' text_offset, choice by choice
         shown, held = [0] * len(index), [[] for _ in index]  # per choice: text streamed, logprobs not yet streamed
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
@@ -329,9 +330,8 @@ class Handler(RequestHandler):
                     )
                 if stream and echo and first:
                     prompt_lps = openai_api.echoed_logprobs(out) if echo_logprobs else []
-                    choice = openai_api.choice(engine, chat, True, i, echoed[i // n], prompt_lps, None)
+                    choice = openai_api.choice(engine, chat, True, i, echoed[i // n], prompt_lps, None, offsets[i])
                     self._event(chunk([choice]))
-                    offsets[i] += sum(map(len, choice["logprobs"]["tokens"])) if prompt_lps else 0
                 lps = held[i] = held[i] + lps
                 if stream and not out.finished and openai_api.maybe_call(out.text, calling):
                     continue  # held back, text and logprobs, until it is a call or turns out to be text
@@ -341,8 +341,6 @@ class Handler(RequestHandler):
                     choice = openai_api.choice(engine, chat, True, i, text, lps, out, offsets[i], calls)
                     shown[i], held[i] = len(out.text), []
                     self._event(chunk([choice]))
-                    if not chat and lps:  # the tokens' own texts, as the whole reply counts them, not the
-                        offsets[i] += sum(map(len, choice["logprobs"]["tokens"]))  # text let out (stop strings)
             completion = sum(len(o[-1].token_ids) for o in outputs)
             cached = sum(o[-1].num_cached_tokens for o in outputs[::n])  # the first choice of each prompt
             usage = {**usage_of(prompt, completion), "prompt_tokens_details": {"cached_tokens": cached}}

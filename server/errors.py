@@ -4,9 +4,11 @@
 class ApiError(Exception):
     """An error the client gets in OpenAI's envelope."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: tuple = ()
+    ):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, list(headers)  # (name, value)s
 
     def body(self) -> dict:
         kind = {401: "authentication_error", 429: "rate_limit_error"}.get(self.status, "invalid_request_error")

@@ -80,6 +80,14 @@ class RequestHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._send(code, ApiError(code, message or HTTPStatus(code).phrase).body())
 
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.headers.defects:  # a line with no colon ends email's parse: the headers after it would be dropped
+            self.send_error(400, "malformed header line (no colon)")
+            return False
+        return True
+
     def end_headers(self) -> None:
         # CORS: a page of an allowed origin may read our answers. (No headers yet: a refused request line.)
         if origin := self._origin():
@@ -142,7 +150,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                 raise ApiError(400, f"malformed request target {self.path[:200]!r}") from None
             self.route(method, path, body)
         except ApiError as e:
-            self._send(e.status, e.body())
+            self._send(e.status, e.body(), headers=e.headers)
         except OSError:  # the client left mid-response
             self.close_connection = True
             self.log_info["client"] = "gone"
@@ -204,9 +212,9 @@ class RequestHandler(BaseHTTPRequestHandler):
             raise ApiError(400, f"malformed chunk size {line[:20]!r} in the request body")
         return int(line, 16)
 
-    def _send(self, status: int, obj: dict | str, content_type: str = "application/json") -> None:
+    def _send(self, status: int, obj: dict | str, content_type: str = "application/json", headers: tuple = ()) -> None:
         data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
-        headers = [("Content-Type", content_type), ("Content-Length", str(len(data)))]
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(data))), *headers]
         if status in (408, 500):  # openai's clients retry these twice unless told: it would fail the same way
             headers.append(("x-should-retry", "false"))
         if self.close_connection:

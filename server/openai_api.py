@@ -3,7 +3,7 @@ checked field by field and turned into prompts and SamplingParams, replies and e
 
 from __future__ import annotations
 
-import itertools
+import codecs
 import json
 import math
 import os
@@ -428,7 +428,29 @@ def structured_outputs(body: dict) -> dict | None:
     return found[0] if found else None
 
 
-def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) -> dict | None:
+class TextOffsets:
+    """Completions' text_offset for one choice, token after token (a stream's chunks in turn): where each token's text
+    starts in the choice's text, in characters. A token that ends inside a character starts where the character does:
+    its bytes wait in the decoder for the rest."""
+
+    def __init__(self):
+        self.at, self.utf8 = 0, codecs.getincrementaldecoder("utf-8")("replace")
+
+    def __call__(self, raw: bytes) -> int:
+        start, self.at = self.at, self.at + len(self.utf8.decode(raw))
+        return start
+
+
+def _token_text(raw: bytes) -> str:
+    """A token as completions' logprobs name it: its text, or, for part of a character, OpenAI's bytes:\\xNN form (as
+    text every such token would be the same U+FFFD, one key in top_logprobs)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offsets: TextOffsets) -> dict | None:
     """OpenAI's two logprobs shapes: chat's per-token entries, completions' parallel arrays."""
     if not lps:
         return None
@@ -440,16 +462,19 @@ def _logprobs(engine: Engine, chat: bool, lps: list[TokenLogprob], offset: int) 
             return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
 
         return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(*t) for t in x.top]} for x in lps]}
-    tokens = [tok.decode([x.token_id]) for x in lps]
+    raws = [tok.decode_bytes([x.token_id]) for x in lps]
+    tokens = list(map(_token_text, raws))
     return {
         "tokens": tokens,
         "token_logprobs": [x.logprob for x in lps],
         # The chosen token's always, as OpenAI documents: up to logprobs + 1 entries (an echoed prompt's first: null).
         "top_logprobs": [
-            None if x.logprob is None else {text: x.logprob, **{tok.decode([t]): lp for t, lp in x.top}}
+            None
+            if x.logprob is None
+            else {**{_token_text(tok.decode_bytes([t])): lp for t, lp in x.top}, text: x.logprob}
             for text, x in zip(tokens, lps)
         ],
-        "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)),
+        "text_offset": list(map(offsets, raws)),
     }
 
 
@@ -479,7 +504,7 @@ def choice(
     text: str,
     lps: list[TokenLogprob],
     last: RequestOutput | None,
-    offset: int = 0,
+    offsets: TextOffsets | None = None,
     calls: list[dict] | None = None,
 ) -> dict:
     """One choice of a reply or of a stream's chunk; `last` is the engine output it reports the reasons of
@@ -496,7 +521,7 @@ def choice(
         choice = {"index": i, "message": {"role": "assistant", "content": text}}
     return {
         **choice,
-        "logprobs": _logprobs(engine, chat, lps, offset),
+        "logprobs": _logprobs(engine, chat, lps, offsets or TextOffsets()),
         "finish_reason": "tool_calls" if calls else last and last.finish_reason,
         "stop_reason": last and last.stop_reason,
     }

@@ -119,6 +119,34 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(server, llm):
     assert streamed == list(zip(lp.tokens, lp.token_logprobs, lp.text_offset))
 
 
+def test_tokens_that_split_a_character_keep_their_own_keys_and_offsets(server, llm):
+    """Part of a character is bytes:\\xNN, as OpenAI names it (decoded alone, every such token would be U+FFFD: one
+    key in top_logprobs for many tokens, the chosen one's value overwritten), and text_offset counts characters of
+    the text, a token that ends inside a character starting where it does."""
+    prompt = "Emoji party: \U0001f389\U0001f38a\U0001f973 \u6211\u7231\u5317\u4eac"
+    body = {"prompt": prompt, "echo": True, "logprobs": 5, "max_tokens": 6, "temperature": 0}
+    status, r = post(server, "/v1/completions", body)
+    lp, text = r["choices"][0]["logprobs"], r["choices"][0]["text"]
+    assert status == 200 and text.startswith(prompt) and any(t.startswith("bytes:\\x") for t in lp["tokens"])
+    raws = [bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode() for t in lp["tokens"]]
+    assert b"".join(raws).decode("utf-8", "replace") == text  # every byte once, in order
+    for i, (token, top) in enumerate(zip(lp["tokens"], lp["top_logprobs"])):
+        assert top is None if i == 0 else top[token] == lp["token_logprobs"][i] and 5 <= len(top) <= 6
+        start = len(b"".join(raws[:i]).decode("utf-8", "ignore"))  # the characters complete before it
+        assert lp["text_offset"][i] == start <= len(text), (i, token)
+    streamed = [x for ch in chunks(server, body) for x in zip(ch["tokens"], ch["text_offset"])]
+    assert streamed == list(zip(lp["tokens"], lp["text_offset"]))
+
+
+def chunks(server, body: dict) -> list[dict]:
+    """A streamed completion's logprobs, chunk by chunk (raw SSE: the openai client's types are not needed)."""
+    req = urllib.request.Request(server.url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: {")]
+    return [c["logprobs"] for e in events for c in e["choices"] if c.get("logprobs")]
+
+
 def test_max_tokens_0_with_echo_scores_without_generating(server, llm):
     status, r = post(server, "/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 0, "max_tokens": 0})
     assert status == 200

@@ -553,9 +553,17 @@ def test_http_layer_refusals_come_as_openai_json(server):
         (b"GARBAGE\r\n\r\n", 400),
         (b"BREW /health HTTP/1.1\r\n\r\n", 501),
         (b"PUT /v1/models HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
+        # A line with no colon: the headers after it were dropped, so this body passed for a second request.
+        (b"GET /health HTTP/1.1\r\nNoColon\r\nContent-Length: 25\r\n\r\nGET /version HTTP/1.1\r\n\r\n", 400),
     ]:
         got, body = raw_exchange(server, data)
         assert got == status and set(body["error"]) == {"message", "type", "param", "code"}, (data, body)
+    for method, path, allow in (("DELETE", "/v1/models", "GET, HEAD"), ("GET", "/v1/completions", "POST")):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        conn.request(method, path)
+        reply = conn.getresponse()
+        assert (reply.status, reply.getheader("Allow")) == (405, allow) and json.loads(reply.read())["error"]
+        conn.close()
     # A body cut short by a half-close is refused as such, not parsed as it stands.
     got, body = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{}", shut=True)
     assert got == 400 and "2 of its 100 bytes" in body["error"]["message"]
