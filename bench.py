@@ -482,7 +482,10 @@ async def stream_one(client: Client, model: str, req: Request, prompt: str | lis
                     e = chunk["error"]
                     raise HTTPError(e.get("message", str(e)) if isinstance(e, dict) else str(e))
                 choice = (chunk.get("choices") or [None])[0] or {}
-                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                delta = choice.get("delta") or {}  # reasoning (vLLM's reasoning parsers) and calls are tokens too
+                if choice.get("text") or any(
+                    delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")
+                ):
                     if req.ttft is None:
                         req.ttft = now - req.start
                     else:
@@ -583,13 +586,15 @@ def summarize(reqs: list[Request], duration: float, args) -> dict:
 
 
 def arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """vLLM's open loop: the send times of n requests in seconds, the first at 0, the gaps drawn from
-    Gamma(shape=burstiness, scale=1 / (rate * burstiness)): a mean of 1 / rate, a variance of 1 / (burstiness *
-    rate**2) (burstiness 1: Poisson). An infinite rate sends every request at 0."""
+    """vLLM's open loop: the send times of n requests in seconds, each after a gap drawn from Gamma(shape=burstiness,
+    scale=1 / (rate * burstiness)): a mean of 1 / rate, a variance of 1 / (burstiness * rate**2) (burstiness 1:
+    Poisson). Then, as vLLM, the times are scaled so that the last comes at exactly n / rate: a level's send window
+    does not move with the seed (unscaled, 256 requests at 4 a second spread over 54-74 s). An infinite rate sends
+    every request at 0."""
     if math.isinf(rate):
         return [0.0] * n
-    gaps = np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), n - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
+    times = np.cumsum(np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), n))
+    return (times * (n / rate / times[-1])).tolist()
 
 
 def random_prompts(seed: int, n: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int], vocab: int):

@@ -239,8 +239,9 @@ def test_offline(tmp_path, capsys):
 def test_arrivals_are_seeded_and_come_at_the_rate():
     times = arrivals(20001, 5.0, 1.0, seed=7)
     assert times == arrivals(20001, 5.0, 1.0, seed=7) != arrivals(20001, 5.0, 1.0, seed=8)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    assert times[0] == 0 and min(gaps) >= 0 and len(gaps) / times[-1] == pytest.approx(5.0, rel=0.03)
+    gaps = [b - a for a, b in zip([0, *times], times)]
+    assert min(gaps) > 0 and times[-1] == pytest.approx(20001 / 5.0, rel=1e-12)  # scaled to end at n / rate
+    assert {round(arrivals(256, 4.0, 0.25, seed)[-1], 9) for seed in range(20)} == {64.0}  # whatever the seed
     assert arrivals(3, math.inf, 1.0, seed=7) == [0.0, 0.0, 0.0]  # inf: all at once
 
 
@@ -431,7 +432,8 @@ class Stub(BaseHTTPRequestHandler):
     """A minimal OpenAI chat server: streams `max_tokens - short` one-character chunks, `delay` s apart;
     with `refuse`, answers every completion with that HTTP status and OpenAI's error JSON instead. `odd`
     misbehaves: "crlf" ends events with CRLF (as SSE allows), "drop" closes every other stream after two
-    chunks, "nodelta" sends a choice without a delta."""
+    chunks, "nodelta" sends a choice without a delta, "reasoning" sends its first 3 tokens as vLLM's reasoning parsers
+    do (delta.reasoning_content, no content)."""
 
     short, delay, refuse, odd = 0, 0.0, 0, None
     counter = itertools.count(1)  # numbers the streams served
@@ -474,6 +476,7 @@ class Stub(BaseHTTPRequestHandler):
                 if self.odd == "drop" and i == 2 and number % 2:
                     return  # the connection closes with no [DONE]
                 delta = {} if self.odd == "nodelta" and i == 1 else {"delta": {"content": "a"}}
+                delta = {"delta": {"reasoning_content": "r"}} if self.odd == "reasoning" and i < 3 else delta
                 self._event(
                     {**head, "choices": [{"index": 0, **delta, "finish_reason": "length" if i == n - 1 else None}]}
                 )
@@ -696,6 +699,15 @@ def test_a_broken_stream_fails_its_request_not_the_run(stub, tmp_path, capsys, o
         assert rc == 1 and (m["completed"], m["failed"]) == (2, 2) and error in err.splitlines()[-1]
     else:  # a chunk without a delta carries no text, and breaks nothing
         assert rc == 0 and m["completed"] == 4, err
+
+
+def test_reasoning_tokens_count_as_tokens(stub, tmp_path, capsys):
+    """A reasoning model's first tokens come as delta.reasoning_content (vLLM's reasoning parsers): TTFT is the first
+    of them, and each is an inter-token gap, not all of them the first token's wait."""
+    argv = ["--base-url", stub(odd="reasoning", delay=0.1), "--concurrency", "1", "--max-tokens", "6", "--warmup", "0"]
+    rc, report, out, err = run(argv, tmp_path, capsys)
+    requests = report["runs"]["remote"]["sweep"][0]["requests"]
+    assert rc == 0 and all(r["ttft"] < 0.25 and len(r["itl"]) == 5 for r in requests), (err, requests)
 
 
 def test_unreachable_server_is_one_line(tmp_path, capsys):
