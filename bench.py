@@ -620,7 +620,11 @@ async def run_level(client, model: str, args, level: float, until: float, label:
     ones are done."""
     if args.request_rate:
         r, total = args.random_range_ratio, args.num_prompts
-        spans = [(max(1, int(n * (1 - r))), int(n * (1 + r))) for n in (args.random_input_len, args.random_output_len)]
+        # vLLM's bounds: floor below (at least 1), ceiling above
+        spans = [
+            (max(1, math.floor(n * (1 - r))), math.ceil(n * (1 + r)))
+            for n in (args.random_input_len, args.random_output_len)
+        ]
         work = zip(arrivals(total, level, args.burstiness, args.seed), *random_prompts(args.seed, total, *spans, VOCAB))
     else:
         total = level * args.requests_per_client
