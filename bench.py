@@ -172,7 +172,8 @@ def parse_args(argv: list[str] | None, prog: str = "bench.py") -> argparse.Names
         "--temperature",
         type=_number(float, zero_ok=True, most=2),
         default=0.0,  # the API's range: more gets HTTP 400
-        help="sampling temperature (0: greedy, as vLLM's bench)",
+        help="sampling temperature (0: greedy, as vLLM's benchmark_serving.py sent; its `vllm bench serve` sends "
+        "none, the server's default)",
     )
     a(
         "--structured-outputs",
