@@ -119,7 +119,7 @@ def optimize(model: Transformer, quantization: str | None, max_num_seqs: int) ->
 
 class FusedBlock:
     """Block.forward's bits for a Llama layer on cpu_matmul, in fewer ops and with its modules looked up once (at one
-    stream a step is mostly per-op Python and dispatch beside the weights: BENCHMARKS.md, "A layer in two ops"):
+    stream a step is mostly per-op Python and dispatch beside the weights: benchmarks/README.md, "A layer in two ops"):
     RoPE and the K/V store are one op (rows.cpp's rope_store), the residual add rides on the o matmul, and the MLP
     with its norm and residual is one op (layer.cpp's mlp); in a step whose tokens all take token_attention (a
     decode step, a short prompt's prefill) so is the attention half (layer.cpp's attend). An 8-bit cache takes

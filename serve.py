@@ -403,7 +403,12 @@ def _parser(prog: str = "serve.py") -> ArgumentParser:
         default=os.environ.get("LANESERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 routes (default $LANESERVE_API_KEY, else open)",
     )
-    a("--max-queue", type=int, default=1024, help="requests waiting beyond this get 429 (default 1024)")
+    a(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="sequences (prompts times n) waiting beyond this get 429 (default 1024)",
+    )
     a(
         "--request-timeout",
         type=float,

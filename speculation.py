@@ -12,7 +12,8 @@ from kv_cache import BlockManager
 from sequence import Sequence
 
 # Query tokens a step may hold with drafts: decoding lanes share what they leave of it. A row is not free
-# (BENCHMARKS.md, "Speculative decoding", has what it costs): a lane's drafts are paid for by those it gets accepted.
+# (benchmarks/README.md, "Speculative decoding", has what it costs): a lane's drafts are paid for by those it gets
+# accepted.
 DRAFT_ROWS = 8
 
 
@@ -24,9 +25,9 @@ class NgramIndex:
         self.sizes = range(lookup_max, lookup_min - 1, -1)  # longest first
         self.ends: dict[tuple[int, ...], int] = {}  # an n-gram -> the index just past its latest occurrence
         self.indexed = 0  # n-grams ending at indices up to this one are in `ends`
-        # No row is free (BENCHMARKS.md, "Speculative decoding"), so a lane's drafts follow what it gets accepted:
-        # one more token than its last verify accepted, twice a draft accepted whole; after a draft rejected at its
-        # first token, none for 1, 2, 4, ... 16 steps, until one is accepted again.
+        # No row is free (benchmarks/README.md, "Speculative decoding"), so a lane's drafts follow what it gets
+        # accepted: one more token than its last verify accepted, twice a draft accepted whole; after a draft
+        # rejected at its first token, none for 1, 2, 4, ... 16 steps, until one is accepted again.
         self.limit, self.wait, self.backoff = limit, 0, 0
 
     def verified(self, drafted: int, accepted: int) -> None:

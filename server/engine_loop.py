@@ -184,7 +184,7 @@ class EngineLoop:
         if waiting + len(job.seqs) - free > self.max_queue:
             return ApiError(
                 429,
-                f"{waiting} requests are waiting (--max-queue {self.max_queue}); retry later",
+                f"{waiting} sequences are waiting (--max-queue {self.max_queue}); retry later",
                 code="rate_limit_exceeded",
             )
         added: list[str] = []
