@@ -219,6 +219,8 @@ class RequestHandler(BaseHTTPRequestHandler):
             headers.append(("x-should-retry", "false"))
         if self.close_connection:
             headers.append(("Connection", "close"))
+        elif self.request_version == "HTTP/1.0":  # it asked to keep the connection: HTTP/1.0 closes unless told
+            headers.append(("Connection", "keep-alive"))
         self._head(status, headers)
         if self.command != "HEAD":
             self.wfile.write(data)

@@ -626,6 +626,9 @@ def test_no_body_passes_for_the_next_request_and_http10_streams_unchunked(server
     ).partition(b"\r\n\r\n")
     assert b"chunked" not in head.lower() and events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n")
     assert all(e.startswith(b"data: ") for e in events.split(b"\n\n")[:-1]), events
+    # An HTTP/1.0 client that asks to keep the connection is told it is kept (it would assume a close otherwise).
+    reply = exchange(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /version HTTP/1.0\r\n\r\n")
+    assert reply.count(b"HTTP/1.1 200") == 2 and reply.count(b"Connection: keep-alive") == 1, reply
     # A client that sends a bad request and leaves before the answer is routine; a bug still shows.
     for error in (BrokenPipeError(), ValueError("a bug")):
         try:
