@@ -88,6 +88,13 @@ class RequestHandler(BaseHTTPRequestHandler):
             return False
         return True
 
+    def handle_expect_100(self) -> bool:
+        """100 Continue only for a body the server would read: an oversized one gets its 413 before it is sent."""
+        if (n := self.headers.get("Content-Length", "")).isdecimal() and int(n) > self.app.max_body:
+            self.send_error(413, f"the request body is over {self.app.max_body} bytes")
+            return False
+        return super().handle_expect_100()
+
     def end_headers(self) -> None:
         # CORS: a page of an allowed origin may read our answers. (No headers yet: a refused request line.)
         if origin := self._origin():

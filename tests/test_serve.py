@@ -626,6 +626,9 @@ def test_no_body_passes_for_the_next_request_and_http10_streams_unchunked(server
     ).partition(b"\r\n\r\n")
     assert b"chunked" not in head.lower() and events.startswith(b"data: {") and events.endswith(b"data: [DONE]\n\n")
     assert all(e.startswith(b"data: ") for e in events.split(b"\n\n")[:-1]), events
+    # Expect: 100-continue for a body over the limit: the 413 at once, no 100 Continue to send it after.
+    reply = exchange(b"POST /v1/completions HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 999999999\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 413") and b"100 Continue" not in reply and b"over" in reply, reply
     # An HTTP/1.0 client that asks to keep the connection is told it is kept (it would assume a close otherwise).
     reply = exchange(b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\nGET /version HTTP/1.0\r\n\r\n")
     assert reply.count(b"HTTP/1.1 200") == 2 and reply.count(b"Connection: keep-alive") == 1, reply
