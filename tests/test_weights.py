@@ -299,6 +299,9 @@ def test_a_damaged_checkpoint_or_a_missing_path_is_named(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) * 3 // 4])  # a download cut short
     with pytest.raises(ValueError, match=f"cannot load {tmp_path / 'cut.gguf'}: "):
         load_weights(str(tmp_path / "cut.gguf"))
+    (tmp_path / "junk.gguf").write_bytes(b"junk")  # read first by cpu.own_format, whose error named no file
+    with pytest.raises(ValueError, match=f"{tmp_path / 'junk.gguf'} is not a GGUF file gguf can read: GGUF magic"):
+        weights.read_gguf(str(tmp_path / "junk.gguf"))
     for model, path in ((str(tmp_path / "nothing.gguf"), None), ("smollm2-135m", str(tmp_path / "nothing"))):
         with pytest.raises(FileNotFoundError, match="nothing.* does not exist"):
             resolve_checkpoint(model, path)
