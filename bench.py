@@ -589,9 +589,9 @@ def summarize(reqs: list[Request], duration: float, args) -> dict:
 def arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     """vLLM's open loop: the send times of n requests in seconds, each after a gap drawn from Gamma(shape=burstiness,
     scale=1 / (rate * burstiness)): a mean of 1 / rate, a variance of 1 / (burstiness * rate**2) (burstiness 1:
-    Poisson). Then, as vLLM, the times are scaled so that the last comes at exactly n / rate: a level's send window
-    does not move with the seed (unscaled, 256 requests at 4 a second spread over 54-74 s). An infinite rate sends
-    every request at 0."""
+    Poisson). Then, as vLLM, the times are scaled so that the last comes at exactly n / rate: a level's send window,
+    and with it the throughput below saturation, does not move with the seed. An infinite rate sends every request
+    at 0."""
     if math.isinf(rate):
         return [0.0] * n
     times = np.cumsum(np.random.default_rng(seed).gamma(burstiness, 1 / (rate * burstiness), n))

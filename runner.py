@@ -211,7 +211,7 @@ class ModelRunner:
             )
         self.num_swap_blocks = int(c.swap_space * 2**30) // per_block if c.preemption_mode == "swap" else 0
         try:
-            if self.device.type == "cpu":  # the host's swap blocks take memory as they are used, the pool at once
+            if self.device.type == "cpu":  # the pool is zeroed at once, the swap blocks filled later: both must fit
                 cpu.check_free_memory((self.num_kv_blocks + self.num_swap_blocks) * per_block)
             self.kv_cache = KVCache(
                 kv, self.num_kv_blocks, c.block_size, self.kv_dtype, self.device, self.num_swap_blocks
